@@ -1,0 +1,5 @@
+import sys
+
+from noloco.cli import main
+
+sys.exit(main())

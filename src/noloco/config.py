@@ -1,0 +1,322 @@
+"""The one typed config tree behind every run.
+
+Every field carries its command-line flag and help text in its metadata, so `noloco train
+--help`, TOML config files and the resolved `config.json` of a run all speak the same names.
+Values left at ``None`` are resolved per method by :meth:`Config.resolved` (SPEC defaults:
+NoLoCo H = 50, DiLoCo H = 100, ...). Validation raises :class:`ConfigError`, which the CLI
+turns into a one-line message and exit code 2 before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+METHODS = ("single", "ddp", "diloco", "noloco", "streaming")
+ROUTINGS = ("random", "fixed")
+FRAGMENT_PATTERNS = ("strided", "sequential")
+QUANT_FORMATS = ("none", "fp4", "int8", "fp8")
+
+
+class ConfigError(ValueError):
+    """An impossible or malformed configuration (reported as one line, exit code 2)."""
+
+
+def opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
+    """A dataclass field documented with its help text (and optional explicit flag name)."""
+    meta = {"help": help, "flag": flag}
+    meta.update(kw)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    preset: str = opt("tiny", "model preset: tiny (~1M params), small (125M), medium, large")
+    dropout: float = opt(0.0, "dropout probability inside the model")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data: str = opt(
+        "builtin",
+        "training text: 'builtin' (Python's standard library sources, offline), a text file "
+        "or directory of text files, or hf:NAME[:CONFIG] (Hugging Face datasets, streaming)",
+    )
+    tokenizer: str = opt(
+        "bytes", "'bytes' (byte-level, 256 tokens) or a local path to a Hugging Face tokenizer"
+    )
+    seq_len: int = opt(128, "tokens per training sequence")
+    batch_size: int = opt(16, "sequences per inner step per replica")
+    max_tokens: int = opt(
+        50_000_000, "at most this many tokens are read from a corpus (hf streams are cut here)"
+    )
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = opt(1e-3, "peak learning rate of the inner AdamW optimizer")
+    warmup: int = opt(50, "linear warm-up steps (then cosine decay to lr/10)")
+    weight_decay: float = opt(0.0, "AdamW weight decay of the inner optimizer")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the gradient norm to this (0 disables)")
+
+
+@dataclass(kw_only=True)
+class MethodConfig:
+    method: str = opt("single", "training method: " + ", ".join(METHODS))
+    replicas: int = opt(1, "data-parallel replicas N (worker processes = replicas x stages)")
+    stages: int = opt(1, "pipeline stages P per replica")
+    sync_every: int | None = opt(
+        None, "H: inner steps between outer steps (default: noloco/streaming 50, diloco 100)"
+    )
+    outer_lr: float | None = opt(
+        None, "outer learning rate (DiLoCo lr / NoLoCo beta; default 0.7)"
+    )
+    outer_momentum: float | None = opt(
+        None, "outer momentum (DiLoCo mu, default 0.9 / NoLoCo alpha, default 0.5)"
+    )
+    nesterov: bool = opt(True, "DiLoCo/streaming outer SGD uses Nesterov momentum")
+    group_size: int = opt(2, "NoLoCo: replicas averaged together at each outer step (n)")
+    gamma: float | None = opt(None, "NoLoCo: pull towards the group's slow weights (default beta)")
+    fragments: int = opt(1, "streaming: number of fragments the blocks are split into")
+    fragment_pattern: str = opt("strided", "streaming: 'strided' (block k -> k mod P) or "
+                                "'sequential' fragments")
+    overlap_steps: int = opt(0, "streaming: tau, inner steps a fragment's sync overlaps with")
+    merge_alpha: float = opt(
+        0.5, "streaming: theta <- alpha*theta_local + (1-alpha)*theta_synced after the overlap"
+    )
+    quantize: str = opt("none", "format of exchanged outer gradients: " + ", ".join(QUANT_FORMATS))
+    routing: str = opt("random", "pipeline routing between stages in training: random or fixed")
+    microbatches: int = opt(0, "pipeline microbatches per step (0: one per sequence... capped "
+                            "at batch size; see docs)")
+    comm_timeout: float = opt(600.0, "seconds before a blocked collective or exchange fails")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = opt(200, "inner steps per replica")
+    eval_every: int = opt(50, "evaluate every K steps (and at the end)")
+    eval_batches: int = opt(8, "validation batches per evaluation")
+    seed: int = opt(0, "random seed (model init, data order, NoLoCo groups)")
+    out: str = opt("runs/latest", "run directory")
+    overwrite: bool = opt(False, "replace an existing run directory")
+    device: str = opt("auto", "cpu, cuda or auto")
+    log_every: int = opt(10, "print a progress line every this many steps when not on a terminal")
+
+
+@dataclass(kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # ---- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        cfg = cls()
+        apply_overrides(cfg, d)
+        return cfg
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False)
+
+    # ---- defaults that depend on the method -------------------------------------------
+    def resolved(self) -> Config:
+        """A copy with every method-dependent default filled in and everything validated."""
+        cfg = Config.from_dict(self.to_dict())
+        m = cfg.method
+        if m.sync_every is None and m.method in ("diloco", "noloco", "streaming"):
+            m.sync_every = 100 if m.method == "diloco" else 50
+        if m.outer_lr is None and m.method in ("diloco", "noloco", "streaming"):
+            m.outer_lr = 0.7
+        if m.outer_momentum is None and m.method in ("diloco", "noloco", "streaming"):
+            m.outer_momentum = 0.5 if m.method == "noloco" else 0.9
+        if m.gamma is None and m.method == "noloco":
+            m.gamma = m.outer_lr
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        from noloco.model import PRESETS
+
+        m, d, o, t = self.method, self.data, self.optim, self.train
+        if self.model.preset not in PRESETS:
+            raise ConfigError(
+                f"unknown preset {self.model.preset!r} (choose from {', '.join(PRESETS)})"
+            )
+        if m.method not in METHODS:
+            raise ConfigError(f"unknown method {m.method!r} (choose from {', '.join(METHODS)})")
+        _positive("--replicas", m.replicas)
+        _positive("--stages", m.stages)
+        _positive("--steps", t.steps)
+        _positive("--batch-size", d.batch_size)
+        _positive("--seq-len", d.seq_len)
+        _positive("--eval-every", t.eval_every)
+        _positive("--eval-batches", t.eval_batches)
+        if d.seq_len > PRESETS[self.model.preset].max_seq_len:
+            raise ConfigError(
+                f"--seq-len {d.seq_len} exceeds what preset {self.model.preset!r} can take "
+                f"({PRESETS[self.model.preset].max_seq_len})"
+            )
+        n_layers = PRESETS[self.model.preset].n_layers
+        if m.stages > n_layers:
+            raise ConfigError(
+                f"--stages {m.stages} is more than the {n_layers} blocks of preset "
+                f"{self.model.preset!r}"
+            )
+        for name, v in (("--lr", o.lr), ("--outer-lr", m.outer_lr),
+                        ("--outer-momentum", m.outer_momentum), ("--gamma", m.gamma),
+                        ("--weight-decay", o.weight_decay), ("--grad-clip", o.grad_clip)):
+            if v is not None and (v < 0 or not math.isfinite(v)):
+                raise ConfigError(f"{name} must be a finite non-negative number, got {v}")
+        if o.warmup < 0:
+            raise ConfigError(f"--warmup must be >= 0, got {o.warmup}")
+        if m.method == "single" and m.replicas != 1:
+            raise ConfigError("--method single runs one replica; use ddp, diloco, noloco or "
+                              "streaming for --replicas > 1")
+        if m.sync_every is not None and m.sync_every < 1:
+            raise ConfigError(f"--sync-every (H) must be >= 1, got {m.sync_every}")
+        if m.method == "noloco":
+            if m.group_size < 2:
+                raise ConfigError(f"--group-size must be >= 2, got {m.group_size}")
+            if m.group_size > m.replicas:
+                raise ConfigError(f"--group-size {m.group_size} is larger than --replicas "
+                                  f"{m.replicas}")
+            if m.replicas % m.group_size:
+                raise ConfigError(f"--replicas {m.replicas} is not divisible by --group-size "
+                                  f"{m.group_size}")
+        if m.routing not in ROUTINGS:
+            raise ConfigError(f"unknown routing {m.routing!r} (choose from random, fixed)")
+        if m.fragment_pattern not in FRAGMENT_PATTERNS:
+            raise ConfigError(f"unknown fragment pattern {m.fragment_pattern!r} "
+                              f"(choose from strided, sequential)")
+        if m.quantize not in QUANT_FORMATS:
+            raise ConfigError(f"unknown quantization format {m.quantize!r} "
+                              f"(choose from {', '.join(QUANT_FORMATS)})")
+        _positive("--fragments", m.fragments)
+        if m.fragments > n_layers:
+            raise ConfigError(f"--fragments {m.fragments} is more than the {n_layers} blocks "
+                              f"of preset {self.model.preset!r}")
+        if not 0.0 <= m.merge_alpha <= 1.0:
+            raise ConfigError(f"--merge-alpha must lie in [0, 1], got {m.merge_alpha}")
+        if m.overlap_steps < 0:
+            raise ConfigError(f"--overlap-steps must be >= 0, got {m.overlap_steps}")
+        uses_fragments = m.fragments > 1 or m.overlap_steps > 0 or m.quantize != "none"
+        if uses_fragments and m.method not in ("streaming", "noloco"):
+            raise ConfigError("--fragments, --overlap-steps and --quantize apply to "
+                              "--method streaming or noloco only")
+        if m.method in ("streaming", "noloco") and m.sync_every is not None:
+            if m.sync_every % m.fragments:
+                raise ConfigError(f"--sync-every {m.sync_every} must be divisible by "
+                                  f"--fragments {m.fragments}")
+            if m.overlap_steps >= m.sync_every // m.fragments:
+                raise ConfigError(f"--overlap-steps {m.overlap_steps} must be < H/P = "
+                                  f"{m.sync_every // m.fragments}")
+        if m.microbatches < 0:
+            raise ConfigError(f"--microbatches must be >= 0, got {m.microbatches}")
+        if m.microbatches > d.batch_size:
+            raise ConfigError(f"--microbatches {m.microbatches} exceeds --batch-size "
+                              f"{d.batch_size}")
+        if m.comm_timeout <= 0:
+            raise ConfigError("--comm-timeout must be > 0")
+        if t.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"unknown device {t.device!r} (choose from auto, cpu, cuda)")
+
+    @property
+    def world_size(self) -> int:
+        return self.method.replicas * self.method.stages
+
+
+def _positive(flag: str, v: int) -> None:
+    if v < 1:
+        raise ConfigError(f"{flag} must be >= 1, got {v}")
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+
+def section_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section name, field) for every leaf of the tree, in declaration order."""
+    cfg = Config()
+    out = []
+    for sec in fields(Config):
+        for f in fields(getattr(cfg, sec.name)):
+            out.append((sec.name, f))
+    return out
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _leaf_index() -> dict[str, tuple[str, str]]:
+    """Every accepted key (field name, with '-' or '_') → (section, field)."""
+    idx = {}
+    for sec, f in section_fields():
+        idx[f.name] = (sec, f.name)
+        idx[f.name.replace("_", "-")] = (sec, f.name)
+    return idx
+
+
+def apply_overrides(cfg: Config, values: dict[str, Any], origin: str = "config") -> None:
+    """Apply nested ({"method": {"replicas": 4}}) or flat ({"replicas": 4}) values in place."""
+    idx = _leaf_index()
+    for key, val in values.items():
+        if isinstance(val, dict) and key in SECTIONS:
+            sub = getattr(cfg, key)
+            names = {f.name for f in fields(sub)}
+            for k2, v2 in val.items():
+                k2n = k2.replace("-", "_")
+                if k2n not in names:
+                    raise ConfigError(f"unknown key {key}.{k2} in {origin}")
+                setattr(sub, k2n, _coerce(sub, k2n, v2, origin))
+        elif key in idx:
+            sec, name = idx[key]
+            sub = getattr(cfg, sec)
+            setattr(sub, name, _coerce(sub, name, val, origin))
+        else:
+            raise ConfigError(f"unknown key {key!r} in {origin}")
+
+
+def _coerce(obj: Any, name: str, val: Any, origin: str) -> Any:
+    default = getattr(type(obj)(), name)
+    ftype = {f.name: f.type for f in fields(obj)}[name]
+    if val is None:
+        return None
+    try:
+        if isinstance(default, bool) or ftype == "bool":
+            if isinstance(val, str):
+                return val.lower() in ("1", "true", "yes", "on")
+            return bool(val)
+        if "int" in str(ftype) and "float" not in str(ftype):
+            if isinstance(val, float) and not val.is_integer():
+                raise ValueError
+            return int(val)
+        if "float" in str(ftype):
+            return float(val)
+        return str(val)
+    except (TypeError, ValueError):
+        raise ConfigError(f"bad value {val!r} for {name} in {origin}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot parse config file {p}: {e}") from None

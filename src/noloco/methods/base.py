@@ -1,0 +1,75 @@
+"""What every method shares: the hooks a training loop calls, and the outer-step plumbing.
+
+A method wraps an unchanged training loop. The loop calls, per inner step::
+
+    loss.backward()
+    method.sync_gradients()        # DDP averages gradients here; the others do nothing
+    clip_grad_norm_(...); optimizer.step(); optimizer.zero_grad()
+    method.after_inner_step()      # DiLoCo / NoLoCo / Streaming run their outer steps here
+
+or, to leave the loop entirely untouched, ``method.attach(optimizer)`` registers the same two
+calls as the optimizer's pre- and post-step hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from noloco.comm import Communicator
+
+
+def parameters_of(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    params = list(model.parameters()) if isinstance(model, nn.Module) else list(model)
+    if not params:
+        raise ValueError("the model has no parameters")
+    return params
+
+
+class Method:
+    """Base class: no communication at all (the ``single`` method, or independent replicas)."""
+
+    name = "single"
+
+    def __init__(self, model: nn.Module | Iterable[torch.Tensor], comm: Communicator) -> None:
+        self.params = parameters_of(model)
+        self.comm = comm
+        self.inner_steps = 0
+        """inner steps taken so far (t)"""
+        self.outer_steps = 0
+
+    @property
+    def sync_every(self) -> int | None:
+        return None
+
+    def sync_gradients(self) -> None:
+        """Called after backward, before clipping and the optimizer step."""
+
+    def after_inner_step(self) -> None:
+        """Called after every optimizer step."""
+        self.inner_steps += 1
+
+    def finish(self) -> None:
+        """Called once after the last inner step: complete any communication still in flight."""
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook into ``optimizer.step()`` so the user's loop needs no extra calls."""
+        optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
+        optimizer.register_step_post_hook(lambda *_: self.after_inner_step())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "inner_steps": self.inner_steps,
+                "outer_steps": self.outer_steps}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if sd.get("name") != self.name:
+            raise ValueError(f"state of method {sd.get('name')!r} cannot load into {self.name!r}")
+        self.inner_steps = int(sd["inner_steps"])
+        self.outer_steps = int(sd["outer_steps"])
+
+
+class Single(Method):
+    """One replica, nothing to synchronise."""

@@ -1,0 +1,183 @@
+"""A Llama-style decoder. Nothing in this file knows about distribution.
+
+RMSNorm, rotary position embeddings, SwiGLU MLP, causal scaled-dot-product attention and
+untied input / output embeddings, as in the NoLoCo paper's models. Pipeline splitting and
+fragmenting live in :mod:`noloco.split`; they address the blocks by their module names
+(``tok_embeddings``, ``layers.K``, ``norm``, ``output``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    dim: int
+    """hidden size d_model"""
+    n_layers: int
+    """transformer blocks"""
+    n_heads: int
+    """attention heads (dim must be divisible by it)"""
+    ffn_dim: int
+    """hidden size of the SwiGLU MLP"""
+    vocab_size: int = 256
+    """set from the tokenizer at build time"""
+    max_seq_len: int = 2048
+    """longest sequence the rotary tables are meant for"""
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+PRESETS: dict[str, ModelArgs] = {
+    # ~1M parameters with the byte tokenizer: trains in minutes on two CPU cores.
+    "tiny": ModelArgs(dim=128, n_layers=4, n_heads=4, ffn_dim=384, max_seq_len=1024),
+    # The NoLoCo paper's small / medium / large (768/12, 2048/24, 4096/32), sequence 1024.
+    "small": ModelArgs(dim=768, n_layers=12, n_heads=12, ffn_dim=2048, max_seq_len=2048),
+    "medium": ModelArgs(dim=2048, n_layers=24, n_heads=16, ffn_dim=5504, max_seq_len=2048),
+    "large": ModelArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim=11008, max_seq_len=2048),
+}
+
+
+def preset(name: str, **overrides) -> ModelArgs:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r} (choose from {', '.join(PRESETS)})")
+    return replace(PRESETS[name], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim/2), computed on the fly (cheap, never stored,
+    so a model built on the meta device costs nothing)."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                          / head_dim)
+    ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, heads, T, head_dim); rotate interleaved pairs (x0, x1) by the position's angle.
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    r0 = x0 * cos - x1 * sin
+    r1 = x0 * sin + x1 * cos
+    return torch.stack((r0, r1), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        if args.dim % args.n_heads:
+            raise ValueError(f"dim {args.dim} not divisible by n_heads {args.n_heads}")
+        self.n_heads = args.n_heads
+        self.head_dim = args.head_dim
+        self.theta = args.rope_theta
+        self.dropout = args.dropout
+        self.wq = nn.Linear(args.dim, args.dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        cos, sin = rope_tables(t, self.head_dim, self.theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = SwiGLU(args)
+        self.drop = nn.Dropout(args.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attention(self.attention_norm(x)))
+        return x + self.drop(self.feed_forward(self.ffn_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)  # untied
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-style init: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
+        resid_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # norm weights
+            elif name.endswith("wo.weight") or name.endswith("w2.weight"):
+                nn.init.normal_(p, std=resid_std)
+            else:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 → logits (B, T, vocab)."""
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None = None
+          ) -> Transformer:
+    """Build a model; with a seed, every process gets bit-identical initial weights."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    with torch.device(device):
+        return Transformer(args)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
