@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from noloco import data as data_mod
 from noloco.comm import Communicator, NullCommunicator, TorchCommunicator, flatten
-from noloco.config import Config
+from noloco.config import Config, ConfigError
 from noloco.methods import build_method
 from noloco.model import build, count_params, lm_loss, preset
 from noloco.rundir import RunDir
@@ -49,8 +49,8 @@ class Layout:
         rank = int(os.environ.get("RANK", 0))
         world = int(os.environ.get("WORLD_SIZE", 1))
         if world != replicas * stages:
-            raise ValueError(f"world size {world} does not match --replicas {replicas} x "
-                             f"--stages {stages}")
+            raise ConfigError(f"world size {world} does not match --replicas {replicas} x "
+                              f"--stages {stages} = {replicas * stages} workers")
         return cls(rank=rank, world=world,
                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                    replica=rank // stages, stage=rank % stages, replicas=replicas,
