@@ -112,7 +112,10 @@ def _preflight(cfg: Config) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    try:
+        ns = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
     try:
         if ns.command == "train":
             return train(ns)

@@ -1,0 +1,110 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from noloco.cli import build_parser, config_from_args, main
+from noloco.config import Config, ConfigError
+
+
+def cfg_of(argv: list[str]) -> Config:
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_flags_set_the_config_tree():
+    cfg = cfg_of(["--method", "noloco", "--replicas", "4", "--steps", "7", "--lr", "0.01",
+                  "--no-nesterov", "--seq-len", "32"])
+    assert cfg.method.method == "noloco" and cfg.method.replicas == 4
+    assert cfg.train.steps == 7 and cfg.optim.lr == 0.01 and cfg.method.nesterov is False
+    assert cfg.data.seq_len == 32
+
+
+def test_config_file_and_flag_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('steps = 11\n[method]\nmethod = "diloco"\nreplicas = 2\n'
+                 '[optim]\nlr = 0.002\n[data]\nbatch-size = 3\n')
+    cfg = cfg_of(["--config", str(f), "--replicas", "4"])
+    assert cfg.train.steps == 11 and cfg.method.method == "diloco"
+    assert cfg.method.replicas == 4  # the flag wins over the file
+    assert cfg.optim.lr == 0.002 and cfg.data.batch_size == 3
+
+
+def test_method_defaults_resolve_per_spec():
+    r = cfg_of(["--method", "noloco", "--replicas", "2"]).resolved().method
+    assert (r.sync_every, r.outer_lr, r.outer_momentum, r.gamma) == (50, 0.7, 0.5, 0.7)
+    r = cfg_of(["--method", "diloco", "--replicas", "2"]).resolved().method
+    assert (r.sync_every, r.outer_lr, r.outer_momentum, r.nesterov) == (100, 0.7, 0.9, True)
+    r = cfg_of(["--method", "diloco", "--replicas", "2", "--sync-every", "10"]).resolved().method
+    assert r.sync_every == 10
+
+
+def test_config_round_trips_through_json():
+    cfg = cfg_of(["--method", "noloco", "--replicas", "4", "--gamma", "0.6"]).resolved()
+    again = Config.from_dict(json.loads(cfg.dumps()))
+    assert again == cfg
+
+
+def test_help_documents_every_flag(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    for flag in ("--method", "--preset", "--steps", "--batch-size", "--seq-len", "--lr",
+                 "--warmup", "--data", "--out", "--seed", "--eval-every", "--eval-batches",
+                 "--config", "--replicas", "--sync-every", "--outer-lr", "--outer-momentum",
+                 "--nesterov", "--group-size", "--gamma", "--overwrite"):
+        assert flag in out, flag
+
+
+BAD = [
+    (["--bogus-flag", "1"], "unrecognized arguments"),
+    (["--preset", "huge"], "unknown preset"),
+    (["--data", "/nonexistent/corpus.txt"], "not found"),
+    (["--seq-len", "5000"], "exceeds"),
+    (["--method", "noloco", "--replicas", "3"], "not divisible"),
+    (["--method", "noloco", "--replicas", "2", "--group-size", "4"], "larger than"),
+    (["--method", "diloco", "--replicas", "2", "--sync-every", "0"], "must be >= 1"),
+    (["--method", "noloco", "--replicas", "2", "--outer-lr", "-0.5"], "non-negative"),
+    (["--method", "diloco", "--replicas", "2", "--outer-momentum", "-1"], "non-negative"),
+    (["--lr", "-1"], "non-negative"),
+    (["--method", "ddp", "--replicas", "2", "--stages", "9"], "more than"),
+    (["--method", "single", "--replicas", "2"], "one replica"),
+    (["--method", "nonsense"], "unknown method"),
+    (["--steps", "abc"], "invalid int"),
+]
+
+
+@pytest.mark.parametrize("argv,msg", BAD)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, argv, msg):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--steps", "1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and msg in err, err
+    assert not out.exists()
+
+
+def test_empty_corpus_is_rejected(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("")
+    code = main(["train", "--data", str(tmp_path / "empty.txt"),
+                       "--out", str(tmp_path / "run")])
+    assert code == 2 and "empty corpus" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_config_file(tmp_path, capsys):
+    f = tmp_path / "c.toml"
+    f.write_text("[method]\nnot_a_key = 1\n")
+    assert main(["train", "--config", str(f), "--out", str(tmp_path / "r")]) == 2
+    assert "unknown key" in capsys.readouterr().err
+    f.write_text("steps = = 3")
+    assert main(["train", "--config", str(f), "--out", str(tmp_path / "r")]) == 2
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert not (tmp_path / "r").exists()
+
+
+def test_validate_rejects_in_python_too():
+    cfg = Config()
+    cfg.method.method = "noloco"
+    cfg.method.replicas = 6
+    cfg.method.group_size = 4
+    with pytest.raises(ConfigError, match="not divisible"):
+        cfg.resolved()

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import torch
+
+from noloco.model import PRESETS, ModelArgs, Transformer, build, count_params, lm_loss, preset
+
+SMALL = ModelArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=257, max_seq_len=64)
+
+
+def test_shapes_and_loss():
+    model = build(SMALL, seed=0)
+    x = torch.randint(0, 257, (3, 16))
+    logits = model(x)
+    assert logits.shape == (3, 16, 257)
+    loss = lm_loss(logits, x)
+    # An untrained model is close to uniform over the vocabulary.
+    assert abs(loss.item() - torch.log(torch.tensor(257.0)).item()) < 0.5
+
+
+def test_causal_later_tokens_never_change_earlier_logits():
+    model = build(SMALL, seed=1).eval()
+    x = torch.randint(0, 257, (2, 20))
+    y = x.clone()
+    y[:, 12:] = torch.randint(0, 257, (2, 8))
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    torch.testing.assert_close(a[:, :12], b[:, :12])
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+def test_same_seed_same_weights_and_untied_embeddings():
+    a, b = build(SMALL, seed=3), build(SMALL, seed=3)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert a.tok_embeddings.weight.data_ptr() != a.output.weight.data_ptr()
+    assert not torch.equal(a.tok_embeddings.weight, a.output.weight)
+
+
+def test_rope_makes_attention_position_aware():
+    # Without position information, attention over a prefix is a function of the set of its
+    # tokens: swapping two earlier tokens would leave the last position's output unchanged.
+    model = build(SMALL, seed=2).eval()
+    x = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    y = torch.tensor([[2, 1, 3, 4, 5, 6]])
+    with torch.no_grad():
+        a, b = model(x), model(y)
+    assert not torch.allclose(a[0, -1], b[0, -1], atol=1e-4)
+
+
+def test_tiny_preset_is_about_one_million_params():
+    n = count_params(build(preset("tiny", vocab_size=257), seed=0))
+    assert 0.5e6 < n < 2e6
+
+
+def test_large_presets_build_on_meta_device():
+    for name, lo, hi in (("small", 80e6, 200e6), ("medium", 1.0e9, 1.6e9),
+                         ("large", 6.0e9, 7.5e9)):
+        args = preset(name, vocab_size=32000)
+        with torch.device("meta"):
+            model = Transformer(args)
+        n = count_params(model)
+        assert lo < n < hi, (name, n)
+        assert next(model.parameters()).is_meta
+    assert set(PRESETS) == {"tiny", "small", "medium", "large"}

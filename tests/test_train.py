@@ -1,0 +1,70 @@
+"""End-to-end runs through the real CLI and launcher."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from noloco.cli import main
+
+KEYS_METRICS = {"step", "tokens", "train_loss", "val_loss", "val_loss_per_replica", "bytes_sent",
+                "sync_seconds", "wall_seconds"}
+KEYS_SUMMARY = {"method", "replicas", "stages", "steps", "params", "tokens_per_replica",
+                "final_val_loss", "final_val_loss_per_replica", "bytes_sent_per_replica",
+                "sync_seconds", "wall_seconds", "weight_spread", "compute_utilisation"}
+
+
+def _read(out):
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return metrics, json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.timeout(240)
+def test_single_run_lowers_validation_loss_and_writes_contract(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(shakespeare), "--steps", "40", "--eval-every", "20",
+            "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--warmup", "5",
+            "--eval-batches", "4", "--out", str(out)]
+    assert main(argv) == 0
+    metrics, summary = _read(out)
+    assert [m["step"] for m in metrics] == [0, 20, 40]
+    assert all(KEYS_METRICS <= set(m) for m in metrics)
+    assert KEYS_SUMMARY <= set(summary)
+    assert metrics[-1]["val_loss"] < metrics[0]["val_loss"] - 1.0
+    assert summary["final_val_loss"] == metrics[-1]["val_loss"]
+    assert summary["weight_spread"] == 0.0 and summary["bytes_sent_per_replica"] == 0
+    assert json.loads((out / "config.json").read_text())["train"]["steps"] == 40
+    # The same command again refuses to overwrite; with --overwrite it replaces the run.
+    assert main(argv) == 2
+    assert main([*argv, "--overwrite", "--steps", "2", "--eval-every", "1"]) == 0
+    assert _read(out)[1]["steps"] == 2
+
+
+@pytest.mark.timeout(240)
+def test_same_seed_repeats_exactly(tmp_path, shakespeare):
+    losses = []
+    for name in ("a", "b"):
+        argv = ["train", "--data", str(shakespeare), "--steps", "6", "--eval-every", "3",
+                "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2",
+                "--out", str(tmp_path / name)]
+        assert main(argv) == 0
+        losses.append([m["val_loss"] for m in _read(tmp_path / name)[0]])
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.timeout(300)
+def test_noloco_two_replicas_end_to_end(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    argv = ["train", "--method", "noloco", "--replicas", "2", "--sync-every", "5",
+            "--data", str(shakespeare), "--steps", "12", "--eval-every", "6",
+            "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--out", str(out)]
+    assert main(argv) == 0
+    metrics, s = _read(out)
+    assert s["method"] == "noloco" and s["replicas"] == 2 and s["outer_steps"] == 2
+    assert len(s["final_val_loss_per_replica"]) == 2
+    assert s["final_val_loss"] == pytest.approx(sum(s["final_val_loss_per_replica"]) / 2)
+    # Two outer steps, each one exchange of the fast weights (fp32) with the one partner.
+    assert s["bytes_sent_per_replica"] == 2 * s["params"] * 4
+    assert s["weight_spread"] > 0 and s["sync_seconds"] > 0
+    assert 0 < s["compute_utilisation"] <= 1
