@@ -178,9 +178,7 @@ class LatencyPoint:
         return asdict(self)
 
 
-def latency_point(
-    workers: int, cv: float, samples: int = 2000, seed: int = 0
-) -> LatencyPoint:
+def latency_point(workers: int, cv: float, samples: int = 2000, seed: int = 0) -> LatencyPoint:
     """Tree and ring all-reduce versus pair exchange at one (n, cv)."""
     n = check_workers(workers)
     cv = check_cv(cv)
@@ -191,9 +189,15 @@ def latency_point(
     pair = pair_exchange_time(cv)
     pair_mc = float(pair_exchange_samples(cv, max(samples, 20_000), seed + 2).mean())
     return LatencyPoint(
-        workers=n, cv=cv, sigma=cv_to_sigma(cv), tree_seconds=tree, ring_seconds=ring,
-        pair_seconds=pair, pair_seconds_mc=pair_mc,
-        tree_over_pair=tree / pair, ring_over_pair=ring / pair,
+        workers=n,
+        cv=cv,
+        sigma=cv_to_sigma(cv),
+        tree_seconds=tree,
+        ring_seconds=ring,
+        pair_seconds=pair,
+        pair_seconds_mc=pair_mc,
+        tree_over_pair=tree / pair,
+        ring_over_pair=ring / pair,
     )
 
 
