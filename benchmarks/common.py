@@ -1,0 +1,193 @@
+"""Shared helpers of the benchmark scripts: the self-describing record, JSON, statistics, plots.
+
+Every benchmark writes one JSON record into ``benchmarks/results/`` holding what it measured
+together with everything needed to judge and re-run it: the full config, the exact command
+line, Python / torch / numpy versions, the CPU model, core count, memory, the load average of
+the machine while it ran (other processes share it), the git commit, and the date.
+Plots use matplotlib, imported only when a plot is drawn (it is an optional dependency).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+RESULTS = BENCH_DIR / "results"
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+def memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        return None
+
+
+def wait_for_quiet(max_wait_s: float, max_load: float | None = None, poll_s: float = 5.0
+                   ) -> list[float] | None:
+    """Wait (at most ``max_wait_s``) until the 1-minute load average is below ``max_load``
+    (default: the core count), so a shared machine's other work disturbs the timing less.
+    Returns the load average when the wait ended."""
+    limit = cores() if max_load is None else max_load
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        load = load_average()
+        if load is None or load[0] < limit or time.monotonic() >= deadline:
+            return load
+        time.sleep(poll_s)
+
+
+def git_commit() -> str | None:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        return sha or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """Hardware and software this run measured on."""
+    import numpy
+    import torch
+
+    return {
+        "cpu": cpu_model(),
+        "cores": cores(),
+        "memory_gib": memory_gib(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "torch_threads_default": torch.get_num_threads(),
+        "git_commit": git_commit(),
+    }
+
+
+def start_record(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The head of a benchmark's JSON record; fill ``results`` and call :func:`finish_record`."""
+    return {
+        "benchmark": name,
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "config": config,
+        "machine": machine(),
+        "load_average_start": load_average(),
+        "results": None,
+    }
+
+
+def finish_record(rec: dict[str, Any], results: Any, seconds: float) -> dict[str, Any]:
+    rec["results"] = results
+    rec["load_average_end"] = load_average()
+    rec["benchmark_seconds"] = round(seconds, 1)
+    return rec
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    """Write ``obj`` (NaN → null) atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(obj), indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def quartiles(xs: Sequence[float]) -> dict[str, float]:
+    """Median, first and third quartile, min, max and count of ``xs``."""
+    xs = sorted(float(x) for x in xs)
+    if not xs:
+        raise ValueError("no samples")
+    if len(xs) == 1:
+        q1 = med = q3 = xs[0]
+    else:
+        q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return {"median": med, "q1": q1, "q3": q3, "min": xs[0], "max": xs[-1], "n": len(xs)}
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot with a file-only backend, or None (with a note) if not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed (pip install 'noloco[plot]'): no plot drawn",
+              file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def out_paths(name: str, out_dir: str | Path | None, quick: bool) -> tuple[Path, Path]:
+    """JSON and PNG paths of a benchmark. A --quick smoke run goes to the temporary directory
+    unless ``out_dir`` is given, so it never overwrites (or clutters) the recorded results."""
+    if out_dir:
+        d = Path(out_dir)
+    else:
+        d = Path(tempfile.gettempdir()) / "noloco-bench" if quick else RESULTS
+    stem = f"{name}_quick" if quick else name
+    return d / f"{stem}.json", d / f"{stem}.png"

@@ -1,0 +1,200 @@
+"""DDP against DiLoCo against NoLoCo: validation loss, communication and utilisation.
+
+Each method trains the same model (``--preset``, seed 0) on the same text with N replicas and
+the same number of inner steps, batch size and sequence length, so every replica sees the
+same number of tokens; DiLoCo and NoLoCo synchronise every H inner steps (one H for both).
+Every run goes through the real command line (``python -m noloco train ...``) into its own run
+directory, and this script reads back summary.json and metrics.jsonl:
+
+- final validation loss (mean over replicas) and the curve of validation loss against tokens;
+- bytes sent per replica, seconds blocked in communication, wall seconds of the run;
+- compute utilisation (inner-step compute ÷ training-loop seconds, evaluations excluded).
+
+Targets: DiLoCo and NoLoCo within 10% of DDP's validation loss; bytes per replica
+NoLoCo < DiLoCo < DDP; compute utilisation >= 0.9 for DiLoCo and NoLoCo.
+
+    python benchmarks/methods.py                     # the recorded run (8 replicas)
+    python benchmarks/methods.py --replicas 4        # when 8 processes take too long
+    python benchmarks/methods.py --quick             # smoke run (2 replicas, a few steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+METHODS = ("ddp", "diloco", "noloco")
+TARGET_LOSS_GAP = 0.10
+TARGET_UTILISATION = 0.9
+COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(common.DEFAULT_DATA), help="training text file")
+    p.add_argument("--preset", default="tiny", help="model preset")
+    p.add_argument("--replicas", type=int, default=8, help="replicas N (processes)")
+    p.add_argument("--steps", type=int, default=300, help="inner steps per replica")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per replica")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
+    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    p.add_argument("--sync-every", type=int, default=50, help="H of DiLoCo and NoLoCo")
+    p.add_argument("--eval-every", type=int, default=25, help="evaluate every K steps")
+    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per eval")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                   help="methods to run, in this order")
+    p.add_argument("--seed", type=int, default=0, help="seed of every run")
+    p.add_argument("--runs-dir", default=None,
+                   help="keep the run directories here (default: a temporary directory)")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                   help="before each run, wait up to this long for the load average to drop "
+                   "below the core count (the machine may be shared)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 replicas, 20 steps, H 10")
+    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
+                   "(default benchmarks/results; --quick: the temporary directory)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.replicas, a.steps, a.sync_every, a.eval_every = 2, 20, 10, 10
+        a.batch_size, a.eval_batches, a.warmup = 4, 1, 5
+    for name in ("replicas", "steps", "batch_size", "seq_len", "sync_every", "eval_every",
+                 "eval_batches"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.replicas < 2 or a.replicas % 2:
+        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+    if not Path(a.data).is_file():
+        p.error(f"data file not found: {a.data}")
+    return a
+
+
+def train_cmd(a: argparse.Namespace, method: str, out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "noloco", "train", "--method", method,
+           "--replicas", str(a.replicas), "--preset", a.preset, "--data", a.data,
+           "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+           "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
+           "--eval-every", str(a.eval_every), "--eval-batches", str(a.eval_batches),
+           "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
+    if method != "ddp":
+        cmd += ["--sync-every", str(a.sync_every)]
+    return cmd
+
+
+def run_method(a: argparse.Namespace, method: str, runs: Path) -> dict[str, Any]:
+    out = runs / method
+    cmd = train_cmd(a, method, out)
+    load = common.wait_for_quiet(a.wait_quiet) if a.wait_quiet else common.load_average()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    with open(out / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    keep = ("method", "replicas", "steps", "outer_steps", "sync_every", "group_size", "params",
+            "param_bytes", "tokens_per_replica", "final_val_loss", "final_val_loss_per_replica",
+            "bytes_sent_per_replica", "sync_seconds", "compute_seconds", "train_seconds",
+            "compute_utilisation", "wall_seconds", "weight_spread", "tokens_per_second",
+            "threads_per_worker")
+    return {
+        "command": " ".join(cmd[2:]),  # as typed: noloco train ...
+        "summary": {k: summary.get(k) for k in keep},
+        "process_seconds": wall,
+        "load_average_before": load,
+        "curve": [{k: m.get(k) for k in ("step", "tokens", "tokens_per_replica", "val_loss",
+                                          "train_loss", "bytes_sent", "sync_seconds",
+                                          "wall_seconds", "weight_spread")} for m in metrics],
+    }
+
+
+def judge(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each target, with the numbers it was judged on (None where a method did not run)."""
+    s = {m: r["summary"] for m, r in res.items()}
+    out: dict[str, Any] = {}
+    if "ddp" in s:
+        base = s["ddp"]["final_val_loss"]
+        for m in ("diloco", "noloco"):
+            if m in s:
+                gap = s[m]["final_val_loss"] / base - 1
+                out[f"{m}_loss_gap_vs_ddp"] = gap
+                out[f"{m}_loss_within_10pct"] = gap <= TARGET_LOSS_GAP
+    if all(m in s for m in METHODS):
+        b = {m: s[m]["bytes_sent_per_replica"] for m in METHODS}
+        out["bytes_order_noloco_lt_diloco_lt_ddp"] = b["noloco"] < b["diloco"] < b["ddp"]
+    for m in ("diloco", "noloco"):
+        if m in s:
+            u = s[m]["compute_utilisation"]
+            out[f"{m}_utilisation_ge_0.9"] = u is not None and u >= TARGET_UTILISATION
+    return out
+
+
+def plot(res: dict[str, dict[str, Any]], a: argparse.Namespace, path: Path) -> Path | None:
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for m, r in res.items():
+        pts = [(c["tokens"], c["val_loss"]) for c in r["curve"] if c["val_loss"] is not None]
+        s = r["summary"]
+        label = (f"{m}: {s['final_val_loss']:.3f}, "
+                 f"{s['bytes_sent_per_replica'] / 2**20:,.0f} MiB/replica")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
+                color=COLORS.get(m))
+    if any(m != "ddp" for m in res):
+        for k in range(a.sync_every, a.steps + 1, a.sync_every):
+            ax.axvline(k * a.batch_size * a.seq_len * a.replicas, color="0.85", lw=0.8, zorder=0)
+    ax.set_xlabel(f"tokens (all {a.replicas} replicas; grey lines: outer steps, H = "
+                  f"{a.sync_every})")
+    ax.set_ylabel("validation loss (mean over replicas)")
+    ax.set_title(f"{a.preset} preset, {a.replicas} replicas, {a.steps} steps x "
+                 f"{a.batch_size}x{a.seq_len} tokens")
+    lo = min((c["val_loss"] for r in res.values() for c in r["curve"][1:]
+              if c["val_loss"] is not None), default=None)
+    if lo is not None:
+        first = max(r["curve"][1]["val_loss"] for r in res.values() if len(r["curve"]) > 1)
+        ax.set_ylim(lo - 0.05, first + 0.1)
+    ax.legend(fontsize=8)
+    return common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    json_path, png_path = common.out_paths("methods", a.out_dir, a.quick)
+    config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "runs_dir")}
+    config["tokens_per_replica"] = a.steps * a.batch_size * a.seq_len
+    rec = common.start_record("methods", config)
+    t0 = time.perf_counter()
+    res: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="noloco-methods-") as tmp:
+        runs = Path(a.runs_dir) if a.runs_dir else Path(tmp)
+        for m in a.methods:
+            res[m] = r = run_method(a, m, runs)
+            s = r["summary"]
+            print(f"{m:>7}: val {s['final_val_loss']:.4f} | "
+                  f"{s['bytes_sent_per_replica'] / 2**20:9.1f} MiB/replica | blocked "
+                  f"{s['sync_seconds']:6.1f} s | utilisation {s['compute_utilisation']:.3f} | "
+                  f"wall {s['wall_seconds']:6.1f} s", flush=True)
+    verdict = judge(res)
+    results = {"methods": res, "targets": {"loss_gap_max": TARGET_LOSS_GAP,
+                                           "utilisation_min": TARGET_UTILISATION},
+               "verdict": verdict}
+    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    plot(res, a, png_path)
+    for k, v in verdict.items():
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {'met' if v else 'MISSED'}")
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Smoke tests of the benchmark scripts: they run, and their records describe themselves.
+
+Timing numbers are never asserted here (performance claims live in benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import methods  # noqa: E402
+
+
+def test_quartiles() -> None:
+    q = common.quartiles([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert (q["min"], q["q1"], q["median"], q["q3"], q["max"], q["n"]) == (1, 2, 3, 4, 5, 5)
+    assert common.quartiles([7.0])["median"] == 7.0
+    with pytest.raises(ValueError):
+        common.quartiles([])
+
+
+def test_methods_judge_reads_the_targets() -> None:
+    def run(loss: float, sent: float, util: float) -> dict:
+        return {"summary": {"final_val_loss": loss, "bytes_sent_per_replica": sent,
+                            "compute_utilisation": util}}
+
+    good = methods.judge({"ddp": run(2.0, 100, 0.5), "diloco": run(2.1, 10, 0.95),
+                          "noloco": run(2.3, 5, 0.92)})
+    assert good["diloco_loss_within_10pct"] and not good["noloco_loss_within_10pct"]
+    assert good["noloco_loss_gap_vs_ddp"] == pytest.approx(0.15)
+    assert good["bytes_order_noloco_lt_diloco_lt_ddp"]
+    assert good["diloco_utilisation_ge_0.9"] and good["noloco_utilisation_ge_0.9"]
+    bad = methods.judge({"ddp": run(2.0, 100, 0.5), "diloco": run(2.0, 5, 0.8),
+                         "noloco": run(2.0, 10, 0.95)})
+    assert not bad["bytes_order_noloco_lt_diloco_lt_ddp"]
+    assert not bad["diloco_utilisation_ge_0.9"]
+
+
+@pytest.mark.timeout(90)
+def test_sync_latency_quick_writes_a_record(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "sync_latency.py"), "--quick", "--procs", "2",
+         "--sizes", "64", "4096", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=80)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "sync_latency_quick.json").read_text())
+    assert rec["benchmark"] == "sync_latency"
+    assert {"cpu", "cores", "torch", "python"} <= set(rec["machine"])
+    assert rec["date"] and "sync_latency.py" in rec["command"]
+    cases = rec["results"]["cases"]
+    assert [(c["procs"], c["size"]) for c in cases] == [(2, 64), (2, 4096)]
+    for c in cases:
+        assert c["reps"] == len(c["raw"]["exchange_seconds"]) >= 1
+        assert 0 < c["all_reduce"]["median"] and 0 < c["exchange"]["median"]
+        # The exchange sends the buffer once; a 2-rank ring all-reduce sends it once too.
+        assert c["bytes_sent_per_rank"] == {"all_reduce": c["bytes"], "exchange": c["bytes"]}
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "sync_latency_quick.png").stat().st_size > 1000
+
+
+def test_bad_flags_exit_2() -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "sync_latency.py"), "--procs", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "even" in proc.stderr
