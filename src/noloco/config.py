@@ -95,8 +95,8 @@ class MethodConfig:
     )
     quantize: str = opt("none", "format of exchanged outer gradients: " + ", ".join(QUANT_FORMATS))
     routing: str = opt("random", "pipeline routing between stages in training: random or fixed")
-    microbatches: int = opt(0, "pipeline microbatches per step (0: one per sequence... capped "
-                            "at batch size; see docs)")
+    microbatches: int = opt(0, "pipeline microbatches per step (0: 2 x stages, at most the "
+                            "batch size; see docs/pipeline.md)")
     comm_timeout: float = opt(600.0, "seconds before a blocked collective or exchange fails")
 
 
