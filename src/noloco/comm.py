@@ -9,6 +9,8 @@ Accounting, per rank:
   of S bytes over N ranks, the bandwidth-optimal ring model, 2·(N−1)/N·S (a reduce-scatter
   and an all-gather, each sending (N−1)/N·S) — what the papers count, and independent of the
   algorithm gloo or NCCL happens to pick.
+  A quantised all-reduce (:meth:`Communicator.all_reduce_mean_quantized_async`) counts the
+  encoded messages really sent in both of its phases.
 - ``sync_seconds``: wall-clock seconds this rank spent blocked waiting for communication
   (time inside a blocking call, or inside ``wait()`` of an asynchronous handle).
 - ``ops``: a count of each operation kind, so tests can assert the communication schedule
@@ -19,15 +21,20 @@ Every operation can time out (``timeout`` of the process group) instead of hangi
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from noloco import quant
 
 
 class Pending:
@@ -72,6 +79,19 @@ class Communicator(ABC):
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
         """Start averaging ``tensor`` in place; the result is there after ``wait()``."""
 
+    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
+                                        block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
+        """Start averaging the 1-D fp32 ``tensor`` in place, every message quantised to ``fmt``.
+
+        ``fmt == "none"`` is the exact :meth:`all_reduce_mean_async`. Otherwise every rank
+        ends with bit-identical values ≈ the mean (see :class:`TorchCommunicator` for the
+        exchange and its error). A NaN or inf in ``tensor`` raises ``ValueError`` here, at
+        the call, before anything is sent.
+        """
+        if fmt == "none":
+            return self.all_reduce_mean_async(tensor)
+        raise NotImplementedError(f"{type(self).__name__} has no quantised all-reduce")
+
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (same shape everywhere), in rank order; blocks."""
         return self.all_gather_async(tensor).wait()
@@ -110,6 +130,16 @@ class NullCommunicator(Communicator):
         self.ops["all_gather"] += 1
         return Pending(self, [], lambda: [tensor.clone()])
 
+    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
+                                        block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
+        # The mean of one rank is itself: nothing crosses a wire, so nothing is rounded, but a
+        # non-finite value is refused as it would be with peers.
+        if fmt == "none":
+            return self.all_reduce_mean_async(tensor)
+        self.ops["all_reduce_quantized"] += 1
+        _check_quantizable(tensor, fmt, block_size)
+        return Pending(self, [])
+
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
         if peers:
             raise ValueError("a single rank has no peers to exchange with")
@@ -122,6 +152,23 @@ class TorchCommunicator(Communicator):
 
     ``ranks`` are the global ranks of the group's members; this object speaks in group
     indices (0..size-1) so an algorithm never needs to know the global layout.
+
+    The quantised all-reduce is a reduce-scatter then an all-gather, both on encoded bytes:
+    the flat tensor (n values) is zero-padded to N equal chunks of c values, c a multiple of
+    the quantiser's block so chunks never share a scale. Phase 1 (all-to-all): every rank
+    encodes chunk j and sends it to rank j, which decodes the N messages and sums them in
+    fp32 in rank order, then divides by N. Phase 2 (all-gather): rank j encodes its reduced
+    chunk and every rank receives every chunk. Every rank decodes the same bytes, so all end
+    bit-identical. Bytes sent per rank: 2·(N−1)·``quant.wire_bytes(c, fmt)``, about
+    2·(N−1)/N·(n/2 + 4·n/256) for FP4 — the ring all-reduce's 2·(N−1)/N·S scaled by 4.125/32.
+    Error: each value is quantised twice (its own contribution, then the reduced chunk).
+
+    The phases run on one helper thread per communicator (the decode-sum-encode between them
+    is computation, which gloo cannot chain), so the caller keeps computing while they
+    progress; the caller's thread only encodes phase 1 (where a NaN raises at once).
+    Protocol invariant: the helper thread and the caller must never issue collectives on the
+    group at the same moment, or ranks could enqueue them in different orders and deadlock;
+    every other operation of this class therefore first waits for any helper job in flight.
     """
 
     def __init__(self, ranks: Sequence[int] | None = None, group: Any = None,
@@ -139,8 +186,11 @@ class TorchCommunicator(Communicator):
         me = dist.get_rank()
         self.size = len(self.ranks)
         self.rank = self.ranks.index(me) if me in self.ranks else -1
+        self._helper: _HelperThread | None = None
+        self._jobs: list[Future] = []
 
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
+        self._drain()
         self.ops["all_reduce"] += 1
         self.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(),
                                                  self.size)
@@ -153,6 +203,7 @@ class TorchCommunicator(Communicator):
         return Pending(self, [work], finish)
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
+        self._drain()
         self.ops["all_gather"] += 1
         self.bytes_sent += (self.size - 1) * tensor.numel() * tensor.element_size()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
@@ -160,6 +211,7 @@ class TorchCommunicator(Communicator):
         return Pending(self, [work], lambda: out)
 
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
+        self._drain()
         self.ops["exchange"] += 1
         tensor = tensor.contiguous()
         bufs = [torch.empty_like(tensor) for _ in peers]
@@ -174,6 +226,128 @@ class TorchCommunicator(Communicator):
         self.bytes_sent += len(peers) * tensor.numel() * tensor.element_size()
         works = dist.batch_isend_irecv(ops) if ops else []
         return Pending(self, works, lambda: bufs)
+
+
+    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
+                                        block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
+        if fmt == "none":
+            return self.all_reduce_mean_async(tensor)
+        _check_quantizable(tensor, fmt, block_size)
+        self._drain()
+        self.ops["all_reduce_quantized"] += 1
+        n, size, group = tensor.numel(), self.size, self.group
+        if size == 1:
+            return Pending(self, [])
+        chunk = quantized_chunk_numel(n, size, block_size)
+        padded = tensor.new_zeros(chunk * size)
+        padded[:n] = tensor
+        msgs = [quant.to_bytes(quant.quantize(c, fmt, block_size)) for c in padded.split(chunk)]
+        send, m = torch.cat(msgs), msgs[0].numel()
+        self.bytes_sent += 2 * (size - 1) * m  # the own chunk never leaves the rank
+
+        def decode(buf: torch.Tensor) -> torch.Tensor:
+            return quant.dequantize(quant.from_bytes(buf, chunk, fmt, block_size))
+
+        def phases() -> torch.Tensor:
+            recv = torch.empty_like(send)
+            dist.all_to_all_single(recv, send, group=group)
+            parts = [decode(b) for b in recv.split(m)]
+            reduced = parts[0]
+            for part in parts[1:]:  # fp32, in rank order
+                reduced += part
+            reduced /= size
+            out = quant.to_bytes(quant.quantize(reduced, fmt, block_size))
+            gathered = [torch.empty_like(out) for _ in range(size)]
+            dist.all_gather(gathered, out, group=group)
+            return torch.cat([decode(b) for b in gathered])
+
+        if self._helper is None:
+            self._helper = _HelperThread(f"noloco-comm-{id(self):x}")
+        fut = self._helper.submit(phases)
+        self._jobs.append(fut)
+
+        def finish() -> None:
+            tensor.copy_(fut.result()[:n])
+
+        return Pending(self, [_FutureWork(fut)], finish)
+
+    def _drain(self) -> None:
+        """Wait (as blocked time) until no helper-thread job can touch the group."""
+        jobs, self._jobs = [f for f in self._jobs if not f.done()], []
+        if jobs:
+            t0 = time.perf_counter()
+            for f in jobs:
+                f.exception()  # waits; a failure is raised by its own Pending.wait()
+            self.sync_seconds += time.perf_counter() - t0
+
+
+def quantized_chunk_numel(numel: int, size: int, block_size: int = quant.DEFAULT_BLOCK_SIZE
+                          ) -> int:
+    """Values per chunk of the quantised all-reduce: ceil(numel / size) rounded up to a whole
+    number of blocks (at least one block)."""
+    per_rank = max(-(-numel // size), 1)
+    return -(-per_rank // block_size) * block_size
+
+
+def quantized_all_reduce_bytes(numel: int, size: int, fmt: str,
+                               block_size: int = quant.DEFAULT_BLOCK_SIZE) -> int:
+    """Bytes one rank sends in the quantised all-reduce of ``numel`` fp32 values."""
+    if size <= 1:
+        return 0
+    if fmt == "none":
+        return ring_all_reduce_bytes(4 * numel, size)
+    return 2 * (size - 1) * quant.wire_bytes(quantized_chunk_numel(numel, size, block_size),
+                                             fmt, block_size)
+
+
+def _check_quantizable(tensor: torch.Tensor, fmt: str, block_size: int) -> None:
+    if fmt not in quant.FORMATS:
+        raise ValueError(f"unknown quantisation format {fmt!r}; expected one of {quant.FORMATS}")
+    if tensor.dim() != 1 or tensor.dtype != torch.float32:
+        raise ValueError(f"the quantised all-reduce takes a 1-D fp32 tensor, got "
+                         f"{tuple(tensor.shape)} of {tensor.dtype}")
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum().item())
+        raise ValueError(f"non-finite value in outer gradient: {bad} NaN/inf of "
+                         f"{tensor.numel()} elements reached the {fmt} quantiser")
+    quant.num_blocks(0, block_size)  # validates block_size
+
+
+class _FutureWork:
+    """A helper-thread job seen as a torch ``Work`` (what :class:`Pending` waits on)."""
+
+    def __init__(self, fut: Future) -> None:
+        self._fut = fut
+
+    def wait(self) -> None:
+        self._fut.result()
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+
+class _HelperThread:
+    """One daemon thread running submitted jobs one at a time, in submission order, so the
+    ranks' collectives are issued in the same order everywhere."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            fn, fut = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the waiter, re-raised there
+                fut.set_exception(e)
 
 
 def flatten(tensors: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -13,14 +13,35 @@ from noloco.methods.base import Method, Single
 from noloco.methods.ddp import DDP
 from noloco.methods.diloco import DiLoCo
 from noloco.methods.noloco import NoLoCo, groups_at, stability_bounds
+from noloco.methods.streaming import FragmentSchedule, StreamingDiLoCo
 
-__all__ = ["DDP", "DiLoCo", "Method", "NoLoCo", "Single", "build_method", "groups_at",
-           "stability_bounds"]
+__all__ = ["DDP", "DiLoCo", "FragmentSchedule", "Method", "NoLoCo", "Single", "StreamingDiLoCo",
+           "build_method", "groups_at", "stability_bounds"]
 
 
-def build_method(cfg: MethodConfig, model: nn.Module | Iterable[torch.Tensor],
-                 comm: Communicator, seed: int = 0) -> Method:
-    """The method a resolved config names, over this stage's replicas (``comm``)."""
+def build_method(cfg: MethodConfig,
+                 model: nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                 comm: Communicator, seed: int = 0, n_layers: int | None = None) -> Method:
+    """The method a resolved config names, over this stage's replicas (``comm``).
+
+    ``model`` may be a module, plain parameters, or ``(name, parameter)`` pairs named as in
+    the whole model (what fragments need; ``n_layers`` is the whole model's block count).
+    """
+    if cfg.method == "streaming":
+        return StreamingDiLoCo(
+            model, comm, n_layers=n_layers, sync_every=cfg.sync_every,
+            fragments=cfg.fragments, fragment_pattern=cfg.fragment_pattern,
+            overlap_steps=cfg.overlap_steps, merge_alpha=cfg.merge_alpha,
+            quantize=cfg.quantize, outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+            nesterov=cfg.nesterov)
+    if cfg.method == "noloco":
+        return NoLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
+                      momentum=cfg.outer_momentum, gamma=cfg.gamma, group_size=cfg.group_size,
+                      seed=seed, n_layers=n_layers, fragments=cfg.fragments,
+                      fragment_pattern=cfg.fragment_pattern, overlap_steps=cfg.overlap_steps,
+                      merge_alpha=cfg.merge_alpha, quantize=cfg.quantize)
+    if not isinstance(model, nn.Module):
+        model = [x[1] if isinstance(x, tuple) else x for x in model]
     if cfg.method == "single":
         return Single(model, comm)
     if cfg.method == "ddp":
@@ -28,8 +49,4 @@ def build_method(cfg: MethodConfig, model: nn.Module | Iterable[torch.Tensor],
     if cfg.method == "diloco":
         return DiLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
-    if cfg.method == "noloco":
-        return NoLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
-                      momentum=cfg.outer_momentum, gamma=cfg.gamma, group_size=cfg.group_size,
-                      seed=seed)
     raise ValueError(f"method {cfg.method!r} is not available")
