@@ -15,6 +15,15 @@ Needs root and iproute2 (otherwise it prints why and exits 0). Two parts, on 8 w
     namespace with torchrun's environment, on the uniform 100 Mbit/s links and on the
     heterogeneous ones; blocked seconds and wall-clock next to ``noloco netsim predict``.
 
+Two exchanges are timed. ``exchange`` is the library's ``TorchCommunicator.exchange`` as it
+is. ``exchange_recv_first`` is the same pair exchange with the receive posted before the send.
+The order matters on gloo: a send only starts once the peer's "receive ready" notice has
+arrived, and that notice travels on the same TCP stream as the peer's own data. A rank that
+posts its send first, while its peer's receive is already known, puts its whole payload on
+the stream before its own "receive ready" — so the peer's payload cannot start until the
+first one has crossed the link, and the two directions run one after the other (about 2x
+the model on a shaped link). Posting receives first keeps both notices ahead of both payloads.
+
 Latency cannot be injected here (no ``netem`` in this kernel): the links have the latency of
 a veth (tens of microseconds) plus gloo's own per-message overhead, which part (a) measures
 with a 4-byte exchange and hands to the model as its latency.
