@@ -232,11 +232,12 @@ def _train(cfg: Config, lay: Layout, device: torch.device, threads: int, rundir:
             torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
         inner.step()
         inner.zero_grad(set_to_none=True)
-        c1 = time.perf_counter()
+        c1, blocked = time.perf_counter(), comm.sync_seconds - sync0
         method.after_inner_step()
         peak_step_bytes = max(peak_step_bytes, comm.bytes_sent - bytes0)
-        # Inner-step compute excludes the seconds blocked in the method's communication.
-        compute_s += (c1 - s0) - (comm.sync_seconds - sync0)
+        # Inner-step compute excludes the seconds blocked in the method's communication
+        # before c1; blocking inside after_inner_step (outer steps) lies outside (c1 - s0).
+        compute_s += (c1 - s0) - blocked
         if loss is not None:
             last_train.append(loss)
         log.step(step + 1, loss, tokens_per_step * lay.replicas)
