@@ -12,23 +12,26 @@ Needs root and iproute2 (otherwise it prints why and exits 0). Two parts, on 8 w
     its link's byte counter, so the JSON shows how many bytes gloo's algorithm really put on
     the wire (ring-like 2(N-1)/N·S, or something else).
 (b) **Training.** ``noloco train`` with ddp, diloco and noloco, each worker started in its
-    namespace with torchrun's environment, on the uniform 100 Mbit/s links and on the
-    heterogeneous ones; blocked seconds and wall-clock next to ``noloco netsim predict``.
+    namespace with torchrun's environment, on the uniform 100 Mbit/s links (and, with
+    ``--train-hetero``, on the heterogeneous ones); blocked seconds and wall-clock next to
+    ``noloco netsim predict``.
 
-Two exchanges are timed. ``exchange`` is the library's ``TorchCommunicator.exchange`` as it
-is. ``exchange_recv_first`` is the same pair exchange with the receive posted before the send.
-The order matters on gloo: a send only starts once the peer's "receive ready" notice has
-arrived, and that notice travels on the same TCP stream as the peer's own data. A rank that
-posts its send first, while its peer's receive is already known, puts its whole payload on
-the stream before its own "receive ready" — so the peer's payload cannot start until the
-first one has crossed the link, and the two directions run one after the other (about 2x
-the model on a shaped link). Posting receives first keeps both notices ahead of both payloads.
+Two exchanges are timed. ``exchange`` is the library's ``TorchCommunicator.exchange``, which
+posts its receive before its send. ``exchange_send_first`` is the same pair exchange with the
+send posted first (raw ``dist.isend``/``dist.irecv``), kept as the control for why the order
+matters on gloo: a send only starts once the peer's "receive ready" notice has arrived, and
+that notice travels on the same TCP stream as the peer's own data. A rank that posts its send
+first, while its peer's receive is already known, puts its whole payload on the stream before
+its own "receive ready" — so the peer's payload cannot start until the first one has crossed
+the link, and the two directions run one after the other (about 2x the model on a shaped
+link). Posting receives first keeps both notices ahead of both payloads.
 
 Latency cannot be injected here (no ``netem`` in this kernel): the links have the latency of
 a veth (tens of microseconds) plus gloo's own per-message overhead, which part (a) measures
 with a 4-byte exchange and hands to the model as its latency.
 
-    python benchmarks/wan.py                # full run, < 15 min on 2 cores
+    python benchmarks/wan.py                # (a) and (b) on uniform links, < 15 min on 2 cores
+    python benchmarks/wan.py --train-hetero # (b) on the heterogeneous links too
     python benchmarks/wan.py --quick        # smaller, a couple of minutes
 """
 
@@ -53,7 +56,7 @@ sys.path.insert(0, str(HERE))
 import netns  # noqa: E402
 
 PREFIX = "nlcw"
-OPS = ("allreduce", "exchange", "exchange_recv_first")
+OPS = ("allreduce", "exchange", "exchange_send_first")
 SUBNET = "10.77.0.0/24"
 PORT = 29511
 DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
@@ -122,10 +125,10 @@ def worker_main(spec_path: str) -> None:
     for rep in range(spec["latency_reps"]):
         p = peer_at(rep)
         timed("latency", 4, rep, lambda p=p: comm.exchange(tiny, [p]), p)
-    def exchange_recv_first(x: torch.Tensor, peer: int) -> None:
-        # The same exchange with the receive posted before the send (see the module doc).
+    def exchange_send_first(x: torch.Tensor, peer: int) -> None:
+        # The same exchange with the send posted before the receive (see the module doc).
         buf = torch.empty_like(x)
-        works = [dist.irecv(buf, peer), dist.isend(x, peer)]
+        works = [dist.isend(x, peer), dist.irecv(buf, peer)]
         for w in works:
             w.wait()
 
@@ -135,8 +138,8 @@ def worker_main(spec_path: str) -> None:
             timed("allreduce", payload, rep, lambda x=x: comm.all_reduce_mean(x))
             p = peer_at(rep + 1000)
             timed("exchange", payload, rep, lambda x=x, p=p: comm.exchange(x, [p]), p)
-            timed("exchange_recv_first", payload, rep,
-                  lambda x=x, p=p: exchange_recv_first(x, p), p)
+            timed("exchange_send_first", payload, rep,
+                  lambda x=x, p=p: exchange_send_first(x, p), p)
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
@@ -255,7 +258,7 @@ def train_scenario(name: str, rates: list[float], methods: list[str], args: argp
                 "--replicas", str(len(rates)), "--data", str(args.data),
                 "--preset", "tiny", "--batch-size", str(args.batch_size),
                 "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                "--eval-every", str(args.steps), "--eval-batches", "2",
+                "--eval-every", str(args.steps), "--eval-batches", "1",
                 "--warmup", "2", "--log-every", str(args.steps), "--comm-timeout", "600",
                 "--out", str(run_dir), "--overwrite"]
         if method != "ddp":
@@ -354,7 +357,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"allreduce": "tab:red", "exchange": "tab:cyan", "exchange_recv_first": "tab:blue"}
+    colors = {"allreduce": "tab:red", "exchange": "tab:blue", "exchange_send_first": "tab:cyan"}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
     labels: list[str] = []
@@ -408,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--data", type=Path, default=DATA)
     ap.add_argument("--no-train", action="store_true", help="skip part (b)")
+    ap.add_argument("--train-hetero", action="store_true",
+                    help="part (b) on the heterogeneous links too (about +8 min on 2 cores)")
     ap.add_argument("--quick", action="store_true", help="fewer cases, for a smoke run")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     args = ap.parse_args(argv)
@@ -437,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiny_param_bytes": tiny, "large_payload_bytes": large,
         "shaping": {"qdisc": "tbf on both veth ends", "tbf": netns.tbf_args(1e8),
                     "note": "burst = max(rate/250 B, 16 kB), limit = 0.1 s of data"},
-        "sync": [], "train": [],
+        "sync": [], "train": [], "part_seconds": {},
     }
     with tempfile.TemporaryDirectory(prefix="wan-") as tmp:
         work = Path(tmp)
@@ -447,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             # Time scales with 1/rate: the slow case gets the tiny payload only.
             payloads = [tiny] if min(rates) < 50e6 else [tiny, large]
             print(f"(a) {name}: payloads {[p / 1e6 for p in payloads]} MB", flush=True)
+            t0 = time.perf_counter()
             sc = sync_scenario(name, rates, payloads, args.reps, work)
+            record["part_seconds"][f"sync {name}"] = time.perf_counter() - t0
             record["sync"].append(sc)
             for e in sc["payloads"]:
                 ar = e["allreduce"]
@@ -465,11 +472,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"(b) skipped: no data at {args.data}")
             else:
                 lat = record["sync"][0]["latency_s"]
-                train_cases = [cases[0]] + ([] if args.quick else [cases[-1]])
+                train_cases = [cases[0]] + ([cases[-1]] if args.train_hetero else [])
                 for name, rates in train_cases:
                     print(f"(b) {name}: training", flush=True)
+                    t0 = time.perf_counter()
                     record["train"] += train_scenario(name, rates, ["ddp", "diloco", "noloco"],
                                                       args, lat, work)
+                    record["part_seconds"][f"train {name}"] = time.perf_counter() - t0
                 for r in record["train"]:
                     r.pop("run_dir")  # a temporary directory, gone after the run
     record["machine"]["loadavg_end"] = os.getloadavg()
