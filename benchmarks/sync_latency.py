@@ -7,7 +7,9 @@ N local processes (gloo over loopback, one torch thread each, started by
   (what DiLoCo does at an outer step, and DDP at every step);
 - ``TorchCommunicator.exchange`` of the same buffer with one partner, the pairs drawn as NoLoCo
   draws them (``noloco.methods.groups_at(t, N, 2)``, a new random pairing each repetition);
-  all N/2 pairs exchange at the same time.
+  all N/2 pairs exchange at the same time;
+- for information, the same pair exchange with the receive posted before the send (the
+  library posts the send first; on gloo the order can serialise the two directions).
 
 Each repetition starts after a barrier; its time is the slowest rank's (an operation is done
 when every rank has its result). After warm-up repetitions, the script reports medians and
@@ -32,7 +34,6 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -93,26 +94,44 @@ def free_port() -> int:
 
 # ---- one process ---------------------------------------------------------------------------
 
-def time_all_reduce(comm: Any, buf: Any) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    comm.all_reduce_mean(buf)
-    return time.perf_counter() - t0
+OPS = ("all_reduce", "exchange", "exchange_recv_first")
 
 
-def time_exchange(comm: Any, buf: Any, t: int, seed: int) -> float:
-    """One exchange with this rank's partner of NoLoCo's pairing number ``t``."""
-    import torch.distributed as dist
-
+def _partner(comm: Any, t: int, seed: int) -> int:
     from noloco.methods import groups_at
 
     group = next(g for g in groups_at(t, comm.size, 2, seed) if comm.rank in g)
-    peers = [r for r in group if r != comm.rank]
+    return next(r for r in group if r != comm.rank)
+
+
+def _exchange_recv_first(comm: Any, buf: Any, peer: int) -> Any:
+    """The same pair exchange with the receive posted before the send (not the library's
+    order; timed for information, see benchmarks/wan.py on why gloo cares)."""
+    import torch
+    import torch.distributed as dist
+
+    out = torch.empty_like(buf)
+    ops = [dist.P2POp(dist.irecv, out, group=comm.group, group_peer=peer),
+           dist.P2POp(dist.isend, buf, group=comm.group, group_peer=peer)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    return out
+
+
+def time_op(op: str, comm: Any, buf: Any, t: int, seed: int) -> float:
+    """Seconds of one ``op`` on this rank, started right after a barrier. The exchanges use
+    this rank's partner of NoLoCo's pairing number ``t``."""
+    import torch.distributed as dist
+
+    peer = _partner(comm, t, seed) if op != "all_reduce" else -1
     dist.barrier()
     t0 = time.perf_counter()
-    comm.exchange(buf, peers)
+    if op == "all_reduce":
+        comm.all_reduce_mean(buf)
+    elif op == "exchange":
+        comm.exchange(buf, [peer])
+    else:
+        _exchange_recv_first(comm, buf, peer)
     return time.perf_counter() - t0
 
 
@@ -135,35 +154,29 @@ def worker(rank: int, world: int, port: int, a: argparse.Namespace, sizes: list[
         for size in sizes:
             buf = torch.randn(size, generator=torch.Generator().manual_seed(rank))
             t_ops = 0
-            allreduce = partial(time_all_reduce, comm, buf)
-            exchange = partial(time_exchange, comm, buf, seed=a.seed)
-
             w0 = time.perf_counter()
             for _ in range(max(a.warmup, 1)):
-                allreduce()
-                exchange(t_ops)
+                for op in OPS:
+                    time_op(op, comm, buf, t_ops, a.seed)
                 t_ops += 1
             # Rank 0 picks the repetitions from the warm-up pace; everyone must agree on it.
             per_rep = (time.perf_counter() - w0) / max(a.warmup, 1)
             reps = torch.tensor([min(a.reps, max(a.min_reps, int(a.budget / max(per_rep, 1e-9))))])
             dist.broadcast(reps, src=0)
-            ar, ex = [], []
+            times: dict[str, list[float]] = {op: [] for op in OPS}
             for i in range(int(reps)):
-                # Alternate which operation goes first, so drift affects both alike.
-                if i % 2 == 0:
-                    ar.append(allreduce())
-                    ex.append(exchange(t_ops))
-                else:
-                    ex.append(exchange(t_ops))
-                    ar.append(allreduce())
+                # Rotate which operation goes first, so drift affects all alike.
+                for k in range(len(OPS)):
+                    op = OPS[(i + k) % len(OPS)]
+                    times[op].append(time_op(op, comm, buf, t_ops, a.seed))
                 t_ops += 1
-            mine = torch.tensor([ar, ex], dtype=torch.float64)
+            mine = torch.tensor([times[op] for op in OPS], dtype=torch.float64)
             rows = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(rows, mine)
-            slowest = torch.stack(rows).amax(0)  # (2, reps): the slowest rank per repetition
-            results.append({"size": size, "bytes": size * 4, "reps": int(reps),
-                            "all_reduce_seconds": slowest[0].tolist(),
-                            "exchange_seconds": slowest[1].tolist()})
+            slowest = torch.stack(rows).amax(0)  # (ops, reps): the slowest rank per repetition
+            rec = {"size": size, "bytes": size * 4, "reps": int(reps)}
+            rec.update({f"{op}_seconds": slowest[j].tolist() for j, op in enumerate(OPS)})
+            results.append(rec)
         if rank == 0:
             Path(out_file).write_text(json.dumps(results))
     finally:
@@ -186,16 +199,14 @@ def summarise(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 
     out = []
     for r in rows:
-        ar = common.quartiles(r["all_reduce_seconds"])
-        ex = common.quartiles(r["exchange_seconds"])
+        q = {op: common.quartiles(r[f"{op}_seconds"]) for op in OPS}
         out.append({
-            "procs": n, "size": r["size"], "bytes": r["bytes"], "reps": r["reps"],
-            "all_reduce": ar, "exchange": ex,
-            "speedup": ar["median"] / ex["median"],
+            "procs": n, "size": r["size"], "bytes": r["bytes"], "reps": r["reps"], **q,
+            "speedup": q["all_reduce"]["median"] / q["exchange"]["median"],
+            "speedup_recv_first": q["all_reduce"]["median"] / q["exchange_recv_first"]["median"],
             "bytes_sent_per_rank": {"all_reduce": ring_all_reduce_bytes(r["bytes"], n),
                                     "exchange": r["bytes"]},
-            "raw": {"all_reduce_seconds": r["all_reduce_seconds"],
-                    "exchange_seconds": r["exchange_seconds"]},
+            "raw": {f"{op}_seconds": r[f"{op}_seconds"] for op in OPS},
         })
     return out
 
@@ -209,8 +220,10 @@ def plot(cases: list[dict[str, Any]], path: Path) -> Path | None:
     for ax, size in zip(axes[0], sizes, strict=True):
         cs = sorted((c for c in cases if c["size"] == size), key=lambda c: c["procs"])
         ns = [c["procs"] for c in cs]
-        for key, label, color in (("all_reduce", "all_reduce_mean (all N)", "tab:red"),
-                                  ("exchange", "NoLoCo pair exchange", "tab:blue")):
+        for key, label, color in (
+                ("all_reduce", "all_reduce_mean (all N)", "tab:red"),
+                ("exchange", "NoLoCo pair exchange (library)", "tab:blue"),
+                ("exchange_recv_first", "pair exchange, receive posted first", "tab:cyan")):
             med = [c[key]["median"] * 1e3 for c in cs]
             lo = [(c[key]["median"] - c[key]["q1"]) * 1e3 for c in cs]
             hi = [(c[key]["q3"] - c[key]["median"]) * 1e3 for c in cs]
@@ -244,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(c)
             print(f"N={n} S={c['size']:>9}: all-reduce {c['all_reduce']['median'] * 1e3:8.2f} ms"
                   f"  exchange {c['exchange']['median'] * 1e3:8.2f} ms  "
-                  f"speed-up {c['speedup']:.2f}x  ({c['reps']} reps)", flush=True)
+                  f"speed-up {c['speedup']:.2f}x  (receive first: "
+                  f"{c['exchange_recv_first']['median'] * 1e3:.2f} ms, "
+                  f"{c['speedup_recv_first']:.2f}x; {c['reps']} reps)", flush=True)
     at_target = [c for c in cases if c["procs"] == TARGET_N]
     results = {
         "cases": cases,

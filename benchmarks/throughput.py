@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="runs of each side (alternating)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads of the bare loop (0: all cores, as noloco single uses)")
+    p.add_argument("--cpus", type=int, default=0,
+                   help="pin both sides to this many CPUs (0: all; noloco then uses as many "
+                   "threads, and so does the bare loop); 1 is steadier on a busy machine")
     p.add_argument("--profile", action="store_true",
                    help="also run noloco once under cProfile and record its top functions")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
@@ -65,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "batch_size", "seq_len", "repeats"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= a.cpus <= common.cores():
+        p.error(f"--cpus must lie in 0..{common.cores()}")
     if not a.bare_worker and not Path(a.data).is_file():
         p.error(f"data file not found: {a.data}")
     return a
@@ -107,12 +112,20 @@ def bare_worker(a: argparse.Namespace) -> None:
 
 # ---- the driver ----------------------------------------------------------------------------
 
-def run_child(cmd: list[str]) -> tuple[str, float, int, float]:
-    """Run ``cmd``; its stdout, wall seconds, peak RSS in bytes and CPU seconds (that child
-    only: ``wait4`` reports the resources of the one process it reaps)."""
+def run_child(cmd: list[str], cpus: int = 0) -> tuple[str, float, int, float]:
+    """Run ``cmd`` (on the first ``cpus`` allowed CPUs if > 0); its stdout, wall seconds, peak
+    RSS in bytes and CPU seconds (that child only: ``wait4`` reports the resources of the one
+    process it reaps)."""
+    pin = None
+    if cpus:
+        allowed = sorted(os.sched_getaffinity(0))[:cpus]
+
+        def pin() -> None:
+            os.sched_setaffinity(0, allowed)
+
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, preexec_fn=pin)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.perf_counter() - t0
@@ -143,7 +156,7 @@ def bare_cmd(a: argparse.Namespace) -> list[str]:
 
 def run_noloco(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     out = tmp / "run"
-    _, wall, rss, cpu = run_child(noloco_cmd(a, out))
+    _, wall, rss, cpu = run_child(noloco_cmd(a, out), a.cpus)
     s = json.loads((out / "summary.json").read_text())
     return {"tokens_per_second": s["tokens_per_second"], "loop_seconds": s["train_seconds"],
             "process_seconds": wall, "process_cpu_seconds": cpu, "peak_rss_bytes": rss,
@@ -151,7 +164,7 @@ def run_noloco(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def run_bare(a: argparse.Namespace) -> dict[str, Any]:
-    stdout, wall, rss, cpu = run_child(bare_cmd(a))
+    stdout, wall, rss, cpu = run_child(bare_cmd(a), a.cpus)
     r = json.loads(stdout.strip().splitlines()[-1])
     r.update(process_seconds=wall, process_cpu_seconds=cpu, peak_rss_bytes=rss)
     return r
@@ -163,7 +176,7 @@ def profile_noloco(a: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
 
     prof = tmp / "noloco.prof"
     cmd = noloco_cmd(a, tmp / "prof_run")
-    run_child([cmd[0], "-m", "cProfile", "-o", str(prof), *cmd[1:]])
+    run_child([cmd[0], "-m", "cProfile", "-o", str(prof), *cmd[1:]], a.cpus)
     st = pstats.Stats(str(prof))
     rows = []
     for (file, line, fn), (_, ncalls, tottime, cumtime, _) in st.stats.items():
