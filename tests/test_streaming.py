@@ -473,5 +473,6 @@ def test_streaming_end_to_end_reports_fragments_and_peak_bytes(tmp_path, shakesp
     assert s["fragment_syncs"] == [2, 2]
     assert s["bytes_sent_per_replica"] == 2 * sum(per_sync)
     assert s["peak_step_bytes"] == max(per_sync)
+    assert 0 <= s["sync_wait_last_arrival_seconds"] <= s["sync_wait_mean_seconds"]
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert s["final_val_loss"] < first["val_loss"]

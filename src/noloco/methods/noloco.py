@@ -255,6 +255,13 @@ class NoLoCo(Method):
             d.mul_(self.alpha).add_(st)
             phi.add_(d)
 
+    def report(self) -> dict[str, Any]:
+        """Extra fields for the run's summary.json."""
+        return {"fragments": self.P, "fragment_numel": [
+                    sum(self.params[i].numel() for i in idx) for idx in self.fragment_index],
+                "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
+                "quantize": self.quantize}
+
     def state_dict(self) -> dict[str, Any]:
         """φ, δ and the exchange counter; an exchange in flight is completed (waited for,
         both partners at the same step) and what it received saved, to be applied on time."""

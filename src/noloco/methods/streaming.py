@@ -39,6 +39,7 @@ the same order on every rank; with τ < H/P at most one is in flight at any time
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,6 +162,8 @@ class StreamingDiLoCo(Method):
         self.buf = [[torch.zeros_like(s) for s in f] for f in self.slow]
         self.inflight: list[InFlight] = []
         self.fragment_syncs = [0] * fragments
+        self.wait_seconds: list[float] = []
+        """seconds blocked in each sync's wait, in application order"""
 
     @property
     def sync_every(self) -> int:
@@ -201,7 +204,9 @@ class StreamingDiLoCo(Method):
 
     @torch.no_grad()
     def _apply(self, job: InFlight) -> None:
+        t0 = time.perf_counter()
         job.pending.wait()
+        self.wait_seconds.append(time.perf_counter() - t0)
         p = job.fragment
         slow = self.slow[p]
         mean_fast = [torch.empty_like(s) for s in slow]
@@ -216,10 +221,29 @@ class StreamingDiLoCo(Method):
 
     # ---- bookkeeping -----------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """Extra fields for the run's summary.json."""
-        return {"fragments": self.P, "fragment_numel": self.fragment_numel(),
-                "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
-                "quantize": self.quantize, "fragment_syncs": list(self.fragment_syncs)}
+        """Extra fields for the run's summary.json. Collective: every replica calls it.
+
+        ``sync_wait_last_arrival_seconds`` sums, over the syncs, the shortest wait of any
+        replica: the replica that reached a sync last waited for no straggler, only for the
+        communication itself, so this is the blocking the transfer caused (what overlap
+        can hide), apart from waiting on slower replicas (which it cannot).
+        """
+        out: dict[str, Any] = {
+            "fragments": self.P, "fragment_numel": self.fragment_numel(),
+            "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
+            "quantize": self.quantize, "fragment_syncs": list(self.fragment_syncs)}
+        waits = torch.tensor(self.wait_seconds, dtype=torch.float64)
+        if self.comm.size > 1 and waits.numel():
+            # Metrics traffic, not training traffic: leave the counters as they were.
+            saved = (self.comm.bytes_sent, self.comm.sync_seconds, self.comm.ops.copy())
+            rows = torch.stack(self.comm.all_gather(waits))
+            self.comm.bytes_sent, self.comm.sync_seconds, self.comm.ops = saved
+        else:
+            rows = waits[None]
+        out["sync_wait_mean_seconds"] = float(rows.mean(0).sum()) if waits.numel() else 0.0
+        out["sync_wait_last_arrival_seconds"] = (float(rows.min(0).values.sum())
+                                                 if waits.numel() else 0.0)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Slow weights and momenta per fragment; a sync in flight is completed (waited for,
