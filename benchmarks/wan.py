@@ -27,8 +27,10 @@ the link, and the two directions run one after the other (about 2x the model on 
 link). Posting receives first keeps both notices ahead of both payloads.
 
 Latency cannot be injected here (no ``netem`` in this kernel): the links have the latency of
-a veth (tens of microseconds) plus gloo's own per-message overhead, which part (a) measures
-with a 4-byte exchange and hands to the model as its latency.
+a veth (tens of microseconds) plus gloo's and Python's own per-message overhead (milliseconds
+on a loaded machine). Part (a) measures it with a 4-byte exchange and hands half of that to
+the model as its one-way latency; a gloo pair exchange counts two latency terms (the
+"receive ready" notice, then the data), the ring all-reduce its 2(N-1) steps.
 
     python benchmarks/wan.py                # (a) and (b) on uniform links, < 15 min on 2 cores
     python benchmarks/wan.py --train-hetero # (b) on the heterogeneous links too
@@ -64,12 +66,12 @@ DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 # ---- the model's prediction ----------------------------------------------------------------
 def _local_predict(method: str, n: int, payload_bytes: float, bandwidth_bps: float,
-                   latency_s: float) -> float:
+                   latency_s: float, *, pair_latency_terms: int = 1) -> float:
     """Same formula as noloco.netsim.predict (used only if that module is missing)."""
     if n <= 1:
         return 0.0
     if method == "noloco":
-        return payload_bytes * 8 / bandwidth_bps + latency_s
+        return payload_bytes * 8 / bandwidth_bps + pair_latency_terms * latency_s
     return 2 * (n - 1) / n * payload_bytes * 8 / bandwidth_bps + 2 * (n - 1) * latency_s
 
 
@@ -82,9 +84,14 @@ except ImportError:  # pragma: no cover - depends on the checkout
     PREDICTOR = "local fallback in benchmarks/wan.py (same formula)"
 
 
+PAIR_LATENCY_TERMS = 2
+"""A gloo pair exchange costs two one-way trips: the "receive ready" notice, then the data."""
+
+
 def predict_sync(method: str, n: int, payload_bytes: float, bandwidth_bps: float,
                  latency_s: float) -> float:
-    return float(_predict(method, n, payload_bytes, bandwidth_bps, latency_s))
+    return float(_predict(method, n, payload_bytes, bandwidth_bps, latency_s,
+                          pair_latency_terms=PAIR_LATENCY_TERMS))
 
 
 # ---- part (a): one worker's measurements ---------------------------------------------------
@@ -120,7 +127,8 @@ def worker_main(spec_path: str) -> None:
         group = next(g for g in groups_at(step, n, 2, seed=0) if rank in g)
         return next(r for r in group if r != rank)
 
-    # Latency probe: a 4-byte exchange is one message each way and nothing else.
+    # Latency probe: a 4-byte exchange, two one-way trips (notice, then data; see
+    # PAIR_LATENCY_TERMS), so the one-way latency is half its time.
     tiny = torch.zeros(1)
     for rep in range(spec["latency_reps"]):
         p = peer_at(rep)
@@ -199,7 +207,8 @@ def sync_scenario(name: str, rates: list[float], payloads: list[int], reps: int,
                                 str(spec_path)], timeout=600, log_dir=out, tag="sync")
     rows = [dict(r, rank=k) for k in range(n)
             for r in json.loads((out / f"rank{k}.json").read_text())]
-    lat = statistics.median(r["seconds"] for r in rows if r["op"] == "latency")
+    # One-way latency: half a 4-byte exchange (gloo overhead included, like ping's RTT/2).
+    lat = statistics.median(r["seconds"] for r in rows if r["op"] == "latency") / 2
     slowest = min(rates)
     result: dict[str, Any] = {"name": name, "rates_bps": rates, "workers": n,
                               "latency_s": lat, "wall_seconds": wall, "qdisc_worker0": qdisc,
@@ -300,7 +309,8 @@ def predict_training(run_dir: Path, method: str, rates: list[float], latency_s: 
     slow, fast, n = min(rates), max(rates), len(rates)
 
     def at(bw: float) -> Any:
-        return predict_run(run_dir, bw, latency_s, methods=(method,)).methods[0]
+        return predict_run(run_dir, bw, latency_s, methods=(method,),
+                           pair_latency_terms=PAIR_LATENCY_TERMS).methods[0]
 
     p_slow = at(slow)
     if method == "noloco" and slow != fast:
@@ -315,7 +325,8 @@ def predict_training(run_dir: Path, method: str, rates: list[float], latency_s: 
             "wall_seconds": p_slow.compute_seconds + sync,
             "source": "noloco.netsim.predict.predict_run",
             "cli": f"noloco netsim predict {run_dir} --bandwidth {int(slow)} "
-                   f"--latency {latency_s:.6f}"}
+                   f"--latency {latency_s:.6f} --methods {method} "
+                   f"--pair-latency-terms {PAIR_LATENCY_TERMS}"}
 
 
 def _predict_training_local(run_dir: Path, method: str, rates: list[float], latency_s: float
