@@ -50,7 +50,7 @@ def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         torch.save(fn(rank, world, *args), Path(outdir) / f"{rank}.pt")
     finally:
@@ -232,7 +232,7 @@ def _one_replica_two_stages(rank: int, world: int, steps: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_two_stages_equal_one_stage_and_random_routing_with_one_replica_equals_fixed():
     steps = 4
     res = _run_ranks(_one_replica_two_stages, 2, steps)
@@ -291,7 +291,7 @@ def _two_by_two_random(rank: int, world: int, step: int, microbatches: int) -> d
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_random_routing_carries_labels_and_retraces_gradients_on_two_replicas():
     step, microbatches = 3, 4
     res = _run_ranks(_two_by_two_random, 4, step, microbatches)
@@ -339,7 +339,7 @@ def _worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
     return run(Config.from_dict(cfg_dict))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_path,
                                                                           shakespeare):
     from noloco.rundir import RunDir
