@@ -10,6 +10,9 @@ directory, and this script reads back summary.json and metrics.jsonl:
 - bytes sent per replica, seconds blocked in communication, wall seconds of the run;
 - compute utilisation (inner-step compute ÷ training-loop seconds, evaluations excluded).
 
+A fourth run, ``single`` (one replica, the same per-replica batch, steps and learning rate),
+is a reference line: how much the other replicas' tokens buy each method.
+
 Targets: DiLoCo and NoLoCo within 10% of DDP's validation loss; bytes per replica
 NoLoCo < DiLoCo < DDP; compute utilisation >= 0.9 for DiLoCo and NoLoCo.
 
@@ -33,9 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 METHODS = ("ddp", "diloco", "noloco")
+REFERENCE = "single"  # one replica with the same per-replica settings: what averaging adds
 TARGET_LOSS_GAP = 0.10
 TARGET_UTILISATION = 0.9
-COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue"}
+COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue", "single": "k"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,8 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=50, help="H of DiLoCo and NoLoCo")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every K steps")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per eval")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                   help="methods to run, in this order")
+    p.add_argument("--methods", nargs="+", default=[*METHODS, REFERENCE],
+                   choices=[*METHODS, REFERENCE],
+                   help="methods to run, in this order ('single': one replica with the same "
+                   "per-replica settings, a reference line)")
     p.add_argument("--seed", type=int, default=0, help="seed of every run")
     p.add_argument("--runs-dir", default=None,
                    help="keep the run directories here (default: a temporary directory)")
@@ -79,12 +85,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train_cmd(a: argparse.Namespace, method: str, out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "noloco", "train", "--method", method,
-           "--replicas", str(a.replicas), "--preset", a.preset, "--data", a.data,
+           "--replicas", str(1 if method == REFERENCE else a.replicas),
+           "--preset", a.preset, "--data", a.data,
            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
            "--eval-every", str(a.eval_every), "--eval-batches", str(a.eval_batches),
            "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
-    if method != "ddp":
+    if method in ("diloco", "noloco"):
         cmd += ["--sync-every", str(a.sync_every)]
     return cmd
 
@@ -128,6 +135,8 @@ def judge(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 gap = s[m]["final_val_loss"] / base - 1
                 out[f"{m}_loss_gap_vs_ddp"] = gap
                 out[f"{m}_loss_within_10pct"] = gap <= TARGET_LOSS_GAP
+        if REFERENCE in s:  # no target: how far one replica alone stays behind
+            out["single_loss_gap_vs_ddp"] = s[REFERENCE]["final_val_loss"] / base - 1
     if all(m in s for m in METHODS):
         b = {m: s[m]["bytes_sent_per_replica"] for m in METHODS}
         out["bytes_order_noloco_lt_diloco_lt_ddp"] = b["noloco"] < b["diloco"] < b["ddp"]
@@ -144,24 +153,28 @@ def plot(res: dict[str, dict[str, Any]], a: argparse.Namespace, path: Path) -> P
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for m, r in res.items():
-        pts = [(c["tokens"], c["val_loss"]) for c in r["curve"] if c["val_loss"] is not None]
+        pts = [(c["tokens_per_replica"], c["val_loss"]) for c in r["curve"]
+               if c["val_loss"] is not None]
         s = r["summary"]
         label = (f"{m}: {s['final_val_loss']:.3f}, "
                  f"{s['bytes_sent_per_replica'] / 2**20:,.0f} MiB/replica")
+        if m == REFERENCE:
+            label = f"single replica (reference): {s['final_val_loss']:.3f}"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
                 color=COLORS.get(m))
     if any(m != "ddp" for m in res):
         for k in range(a.sync_every, a.steps + 1, a.sync_every):
-            ax.axvline(k * a.batch_size * a.seq_len * a.replicas, color="0.85", lw=0.8, zorder=0)
-    ax.set_xlabel(f"tokens (all {a.replicas} replicas; grey lines: outer steps, H = "
-                  f"{a.sync_every})")
+            ax.axvline(k * a.batch_size * a.seq_len, color="0.85", lw=0.8, zorder=0)
+    ax.set_xlabel(f"tokens per replica (x {a.replicas} replicas; grey lines: outer steps, "
+                  f"H = {a.sync_every})")
     ax.set_ylabel("validation loss (mean over replicas)")
     ax.set_title(f"{a.preset} preset, {a.replicas} replicas, {a.steps} steps x "
                  f"{a.batch_size}x{a.seq_len} tokens")
     lo = min((c["val_loss"] for r in res.values() for c in r["curve"][1:]
               if c["val_loss"] is not None), default=None)
     if lo is not None:
-        first = max(r["curve"][1]["val_loss"] for r in res.values() if len(r["curve"]) > 1)
+        first = max(r["curve"][1]["val_loss"] for m, r in res.items()
+                    if len(r["curve"]) > 1 and m != REFERENCE)
         ax.set_ylim(lo - 0.05, first + 0.1)
     ax.legend(fontsize=8)
     return common.save_figure(fig, path)

@@ -8,8 +8,9 @@ N local processes (gloo over loopback, one torch thread each, started by
 - ``TorchCommunicator.exchange`` of the same buffer with one partner, the pairs drawn as NoLoCo
   draws them (``noloco.methods.groups_at(t, N, 2)``, a new random pairing each repetition);
   all N/2 pairs exchange at the same time;
-- for information, the same pair exchange with the receive posted before the send (the
-  library posts the send first; on gloo the order can serialise the two directions).
+- for information, the same pair exchange into a receive buffer allocated once and reused
+  (``exchange`` allocates a fresh one per call; for a large payload the page faults of a
+  fresh buffer cost about as much as the transfer).
 
 Each repetition starts after a barrier; its time is the slowest rank's (an operation is done
 when every rank has its result). After warm-up repetitions, the script reports medians and
@@ -94,7 +95,7 @@ def free_port() -> int:
 
 # ---- one process ---------------------------------------------------------------------------
 
-OPS = ("all_reduce", "exchange", "exchange_recv_first")
+OPS = ("all_reduce", "exchange", "exchange_reused_buffer")
 
 
 def _partner(comm: Any, t: int, seed: int) -> int:
@@ -104,21 +105,19 @@ def _partner(comm: Any, t: int, seed: int) -> int:
     return next(r for r in group if r != comm.rank)
 
 
-def _exchange_recv_first(comm: Any, buf: Any, peer: int) -> Any:
-    """The same pair exchange with the receive posted before the send (not the library's
-    order; timed for information, see benchmarks/wan.py on why gloo cares)."""
-    import torch
+def _exchange_into(comm: Any, buf: Any, out: Any, peer: int) -> None:
+    """The library's pair exchange (receive and send posted together, receive first), but
+    into a receive buffer allocated once and reused. Timed for information: the library
+    allocates a fresh receive buffer per call, and a fresh multi-MiB buffer costs page faults."""
     import torch.distributed as dist
 
-    out = torch.empty_like(buf)
     ops = [dist.P2POp(dist.irecv, out, group=comm.group, group_peer=peer),
            dist.P2POp(dist.isend, buf, group=comm.group, group_peer=peer)]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
-    return out
 
 
-def time_op(op: str, comm: Any, buf: Any, t: int, seed: int) -> float:
+def time_op(op: str, comm: Any, buf: Any, out: Any, t: int, seed: int) -> float:
     """Seconds of one ``op`` on this rank, started right after a barrier. The exchanges use
     this rank's partner of NoLoCo's pairing number ``t``."""
     import torch.distributed as dist
@@ -131,7 +130,7 @@ def time_op(op: str, comm: Any, buf: Any, t: int, seed: int) -> float:
     elif op == "exchange":
         comm.exchange(buf, [peer])
     else:
-        _exchange_recv_first(comm, buf, peer)
+        _exchange_into(comm, buf, out, peer)
     return time.perf_counter() - t0
 
 
@@ -153,11 +152,12 @@ def worker(rank: int, world: int, port: int, a: argparse.Namespace, sizes: list[
         results = []
         for size in sizes:
             buf = torch.randn(size, generator=torch.Generator().manual_seed(rank))
+            out = torch.zeros_like(buf)  # touched once, reused by exchange_reused_buffer
             t_ops = 0
             w0 = time.perf_counter()
             for _ in range(max(a.warmup, 1)):
                 for op in OPS:
-                    time_op(op, comm, buf, t_ops, a.seed)
+                    time_op(op, comm, buf, out, t_ops, a.seed)
                 t_ops += 1
             # Rank 0 picks the repetitions from the warm-up pace; everyone must agree on it.
             per_rep = (time.perf_counter() - w0) / max(a.warmup, 1)
@@ -168,7 +168,7 @@ def worker(rank: int, world: int, port: int, a: argparse.Namespace, sizes: list[
                 # Rotate which operation goes first, so drift affects all alike.
                 for k in range(len(OPS)):
                     op = OPS[(i + k) % len(OPS)]
-                    times[op].append(time_op(op, comm, buf, t_ops, a.seed))
+                    times[op].append(time_op(op, comm, buf, out, t_ops, a.seed))
                 t_ops += 1
             mine = torch.tensor([times[op] for op in OPS], dtype=torch.float64)
             rows = [torch.empty_like(mine) for _ in range(world)]
@@ -203,7 +203,8 @@ def summarise(rows: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
         out.append({
             "procs": n, "size": r["size"], "bytes": r["bytes"], "reps": r["reps"], **q,
             "speedup": q["all_reduce"]["median"] / q["exchange"]["median"],
-            "speedup_recv_first": q["all_reduce"]["median"] / q["exchange_recv_first"]["median"],
+            "speedup_reused_buffer": (q["all_reduce"]["median"]
+                                      / q["exchange_reused_buffer"]["median"]),
             "bytes_sent_per_rank": {"all_reduce": ring_all_reduce_bytes(r["bytes"], n),
                                     "exchange": r["bytes"]},
             "raw": {f"{op}_seconds": r[f"{op}_seconds"] for op in OPS},
@@ -215,6 +216,8 @@ def plot(cases: list[dict[str, Any]], path: Path) -> Path | None:
     plt = common.pyplot()
     if plt is None:
         return None
+    from matplotlib.ticker import FormatStrFormatter
+
     sizes = sorted({c["size"] for c in cases})
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.8), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
@@ -223,7 +226,8 @@ def plot(cases: list[dict[str, Any]], path: Path) -> Path | None:
         for key, label, color in (
                 ("all_reduce", "all_reduce_mean (all N)", "tab:red"),
                 ("exchange", "NoLoCo pair exchange (library)", "tab:blue"),
-                ("exchange_recv_first", "pair exchange, receive posted first", "tab:cyan")):
+                ("exchange_reused_buffer", "pair exchange, reused receive buffer",
+                 "tab:cyan")):
             med = [c[key]["median"] * 1e3 for c in cs]
             lo = [(c[key]["median"] - c[key]["q1"]) * 1e3 for c in cs]
             hi = [(c[key]["q3"] - c[key]["median"]) * 1e3 for c in cs]
@@ -233,6 +237,9 @@ def plot(cases: list[dict[str, Any]], path: Path) -> Path | None:
                         textcoords="offset points", xytext=(4, -12), fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xticks(ns, [str(n) for n in ns])
         ax.set_xlabel("processes N")
         ax.set_ylabel("ms per operation (median, quartiles)")
@@ -257,9 +264,9 @@ def main(argv: list[str] | None = None) -> int:
             cases.append(c)
             print(f"N={n} S={c['size']:>9}: all-reduce {c['all_reduce']['median'] * 1e3:8.2f} ms"
                   f"  exchange {c['exchange']['median'] * 1e3:8.2f} ms  "
-                  f"speed-up {c['speedup']:.2f}x  (receive first: "
-                  f"{c['exchange_recv_first']['median'] * 1e3:.2f} ms, "
-                  f"{c['speedup_recv_first']:.2f}x; {c['reps']} reps)", flush=True)
+                  f"speed-up {c['speedup']:.2f}x  (reused receive buffer: "
+                  f"{c['exchange_reused_buffer']['median'] * 1e3:.2f} ms, "
+                  f"{c['speedup_reused_buffer']:.2f}x; {c['reps']} reps)", flush=True)
     at_target = [c for c in cases if c["procs"] == TARGET_N]
     results = {
         "cases": cases,
