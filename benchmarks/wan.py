@@ -65,33 +65,17 @@ DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
 
 
 # ---- the model's prediction ----------------------------------------------------------------
-def _local_predict(method: str, n: int, payload_bytes: float, bandwidth_bps: float,
-                   latency_s: float, *, pair_latency_terms: int = 1) -> float:
-    """Same formula as noloco.netsim.predict (used only if that module is missing)."""
-    if n <= 1:
-        return 0.0
-    if method == "noloco":
-        return payload_bytes * 8 / bandwidth_bps + pair_latency_terms * latency_s
-    return 2 * (n - 1) / n * payload_bytes * 8 / bandwidth_bps + 2 * (n - 1) * latency_s
+from noloco.netsim.predict import predict_run, predict_sync_seconds  # noqa: E402
 
-
-try:
-    from noloco.netsim.predict import predict_sync_seconds as _predict
-
-    PREDICTOR = "noloco.netsim.predict.predict_sync_seconds"
-except ImportError:  # pragma: no cover - depends on the checkout
-    _predict = _local_predict
-    PREDICTOR = "local fallback in benchmarks/wan.py (same formula)"
-
-
+PREDICTOR = "noloco.netsim.predict.predict_sync_seconds"
 PAIR_LATENCY_TERMS = 2
 """A gloo pair exchange costs two one-way trips: the "receive ready" notice, then the data."""
 
 
 def predict_sync(method: str, n: int, payload_bytes: float, bandwidth_bps: float,
                  latency_s: float) -> float:
-    return float(_predict(method, n, payload_bytes, bandwidth_bps, latency_s,
-                          pair_latency_terms=PAIR_LATENCY_TERMS))
+    return float(predict_sync_seconds(method, n, payload_bytes, bandwidth_bps, latency_s,
+                                      pair_latency_terms=PAIR_LATENCY_TERMS))
 
 
 # ---- part (a): one worker's measurements ---------------------------------------------------
@@ -297,51 +281,51 @@ def predict_training(run_dir: Path, method: str, rates: list[float], latency_s: 
                      ) -> dict[str, Any]:
     """``noloco netsim predict`` for this run on its own network.
 
-    ddp and diloco all-reduce through the slowest link. For noloco the model has one
-    bandwidth; with one slow link, a worker's pair is slow 1/(N-1) of the time (2 of N workers
-    wait on it per outer step), so the mean blocked time uses the mean over workers of the
-    pair's rate: prediction = (2/N) * t(slow) + (1 - 2/N) * t(fast), ignoring how a late slow
-    worker delays its next partners (see docs/results.md)."""
-    try:
-        from noloco.netsim.predict import predict_run
-    except ImportError:  # pragma: no cover
-        return _predict_training_local(run_dir, method, rates, latency_s)
-    slow, fast, n = min(rates), max(rates), len(rates)
-
-    def at(bw: float) -> Any:
-        return predict_run(run_dir, bw, latency_s, methods=(method,),
-                           pair_latency_terms=PAIR_LATENCY_TERMS).methods[0]
-
-    p_slow = at(slow)
-    if method == "noloco" and slow != fast:
-        p_fast = at(fast)
-        w = 2 / n
-        sync = w * p_slow.exposed_sync_seconds + (1 - w) * p_fast.exposed_sync_seconds
-        per = w * p_slow.seconds_per_sync + (1 - w) * p_fast.seconds_per_sync
-    else:
-        sync, per = p_slow.exposed_sync_seconds, p_slow.seconds_per_sync
-    return {"sync_seconds": sync, "seconds_per_sync": per, "sync_events": p_slow.sync_events,
-            "compute_seconds": p_slow.compute_seconds,
-            "wall_seconds": p_slow.compute_seconds + sync,
-            "source": "noloco.netsim.predict.predict_run",
-            "cli": f"noloco netsim predict {run_dir} --bandwidth {int(slow)} "
-                   f"--latency {latency_s:.6f} --methods {method} "
-                   f"--pair-latency-terms {PAIR_LATENCY_TERMS}"}
+    ddp and diloco all-reduce through the slowest link: netsim's ring formula at the slowest
+    rate is the whole prediction. noloco: netsim has one bandwidth per run, which fits the
+    uniform links only. With one slow link the benchmark replays the run's own pairs
+    (``groups_at``) on per-worker clocks — each pair starts its exchange when the later of
+    the two arrives and takes netsim's exchange time at the pair's slower rate — so a late
+    worker delays its next partners, as in ``netsim blocking``. On uniform links that replay
+    equals netsim's closed form; both are in the JSON (``netsim_*`` keys)."""
+    slow = min(rates)
+    p = predict_run(run_dir, slow, latency_s, methods=(method,),
+                    pair_latency_terms=PAIR_LATENCY_TERMS).methods[0]
+    out = {"sync_seconds": p.exposed_sync_seconds, "seconds_per_sync": p.seconds_per_sync,
+           "sync_events": p.sync_events, "compute_seconds": p.compute_seconds,
+           "source": "noloco.netsim.predict.predict_run",
+           "cli": f"noloco netsim predict {run_dir} --bandwidth {int(slow)} "
+                  f"--latency {latency_s:.6f} --methods {method} "
+                  f"--pair-latency-terms {PAIR_LATENCY_TERMS}"}
+    if method == "noloco":
+        s = json.loads((run_dir / "summary.json").read_text())
+        seed = json.loads((run_dir / "config.json").read_text()).get("train", {}).get("seed", 0)
+        out["netsim_sync_seconds"] = out["sync_seconds"]
+        out["sync_seconds"] = gossip_blocked_seconds(rates, p.payload_bytes, latency_s,
+                                                     s["outer_steps"], seed)
+        out["source"] += " (exchange time) + pair replay on per-worker clocks"
+    out["wall_seconds"] = out["compute_seconds"] + out["sync_seconds"]
+    return out
 
 
-def _predict_training_local(run_dir: Path, method: str, rates: list[float], latency_s: float
-                            ) -> dict[str, Any]:
-    s = json.loads((run_dir / "summary.json").read_text())
-    n, steps, payload = s["replicas"], s["steps"], s["param_bytes"]
-    events = steps if method == "ddp" else steps // s["sync_every"]
-    slow, fast = min(rates), max(rates)
-    per = predict_sync(method, n, payload, slow, latency_s)
-    if method == "noloco" and slow != fast:
-        per = 2 / n * per + (1 - 2 / n) * predict_sync(method, n, payload, fast, latency_s)
-    return {"sync_seconds": events * per, "seconds_per_sync": per, "sync_events": events,
-            "compute_seconds": s["compute_seconds"],
-            "wall_seconds": s["compute_seconds"] + events * per,
-            "source": "local fallback"}
+def gossip_blocked_seconds(rates: list[float], payload_bytes: float, latency_s: float,
+                           outer_steps: int, seed: int) -> float:
+    """Mean seconds a worker waits in NoLoCo's pair exchanges, replaying the run's pairs.
+
+    Every worker computes the same time between outer steps, so only the exchanges move the
+    clocks apart: a pair finishes at max(its two clocks) + its exchange time."""
+    from noloco.methods import groups_at
+
+    n = len(rates)
+    clock, blocked = [0.0] * n, [0.0] * n
+    for k in range(outer_steps):
+        for i, j in groups_at(k, n, 2, seed):
+            t = predict_sync("noloco", n, payload_bytes, min(rates[i], rates[j]), latency_s)
+            end = max(clock[i], clock[j]) + t
+            blocked[i] += end - clock[i]
+            blocked[j] += end - clock[j]
+            clock[i] = clock[j] = end
+    return sum(blocked) / n
 
 
 # ---- record ------------------------------------------------------------------------------
