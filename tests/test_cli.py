@@ -69,6 +69,9 @@ BAD = [
     (["--method", "ddp", "--replicas", "2", "--stages", "9"], "more than"),
     (["--method", "single", "--replicas", "2"], "one replica"),
     (["--method", "nonsense"], "unknown method"),
+    (["--beta1", "1.5"], "--beta1 must lie in"),
+    (["--dropout", "1"], "--dropout must lie in"),
+    (["--method", "diloco", "--replicas", "2", "--outer-momentum", "1.2"], "must lie in"),
     (["--steps", "abc"], "invalid int"),
 ]
 
@@ -108,3 +111,11 @@ def test_validate_rejects_in_python_too():
     cfg.method.group_size = 4
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.resolved()
+
+
+def test_too_little_data_for_the_replicas(tmp_path, capsys):
+    (tmp_path / "small.txt").write_text("x" * 3000)
+    code = main(["train", "--method", "ddp", "--replicas", "64", "--seq-len", "64",
+                 "--data", str(tmp_path / "small.txt"), "--out", str(tmp_path / "run")])
+    assert code == 2 and "too few for 64 replicas" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -106,8 +106,9 @@ def _preflight(cfg: Config) -> None:
         if not p.exists():
             raise DataError(f"data path not found: {src}")
     tok = make_tokenizer(cfg.data.tokenizer)
-    from noloco.data import load_corpus
-    load_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens)
+    from noloco.data import ShardedReader, load_corpus
+    corpus = load_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens)
+    ShardedReader(corpus.train, cfg.data.seq_len, cfg.data.batch_size, 0, cfg.method.replicas)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -109,7 +109,8 @@ class TrainConfig:
     out: str = opt("runs/latest", "run directory")
     overwrite: bool = opt(False, "replace an existing run directory")
     device: str = opt("auto", "cpu, cuda or auto")
-    log_every: int = opt(10, "print a progress line every this many steps when not on a terminal")
+    log_every: int = opt(
+        10, "print a progress line every this many steps when not on a terminal (0: never)")
 
 
 @dataclass(kw_only=True)
@@ -182,6 +183,13 @@ class Config:
                         ("--weight-decay", o.weight_decay), ("--grad-clip", o.grad_clip)):
             if v is not None and (v < 0 or not math.isfinite(v)):
                 raise ConfigError(f"{name} must be a finite non-negative number, got {v}")
+        for name, v, hi in (("--beta1", o.beta1, 1.0), ("--beta2", o.beta2, 1.0),
+                            ("--dropout", self.model.dropout, 1.0),
+                            ("--outer-momentum", m.outer_momentum, 1.0)):
+            if v is not None and not 0.0 <= v < hi:
+                raise ConfigError(f"{name} must lie in [0, {hi:g}), got {v}")
+        if t.log_every < 0:
+            raise ConfigError(f"--log-every must be >= 0, got {t.log_every}")
         if o.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {o.warmup}")
         if m.method == "single" and m.replicas != 1:

@@ -83,11 +83,14 @@ def limit_threads(local_world: int) -> int:
     return n
 
 
-def pick_device(spec: str, local_rank: int) -> torch.device:
-    if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
-        n = torch.cuda.device_count()
-        if n == 0:
-            raise ValueError("--device cuda asked for, but no GPU is visible")
+def pick_device(spec: str, local_rank: int, local_world: int = 1) -> torch.device:
+    """GPU when asked for (or ``auto`` and there are enough: one GPU per local worker, as
+    NCCL requires), else CPU."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if spec == "cuda" and n < local_world:
+        raise ConfigError(f"--device cuda needs one GPU per local worker: {local_world} "
+                          f"workers, {n} GPUs visible")
+    if spec == "cuda" or (spec == "auto" and n >= local_world):
         torch.cuda.set_device(local_rank % n)
         return torch.device("cuda", local_rank % n)
     return torch.device("cpu")
@@ -133,11 +136,13 @@ def run(cfg: Config) -> dict[str, Any] | None:
     m, t = cfg.method, cfg.train
     lay = Layout.from_env(m.replicas, m.stages)
     threads = limit_threads(lay.local_world)
-    device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)))
+    device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)), lay.local_world)
     distributed = lay.world > 1
     if distributed and not dist.is_initialized():
         from datetime import timedelta
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # On GPUs the methods' tensors go through NCCL; the small CPU tensors of metrics
+        # and start-up checks through gloo, in the same process group.
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=m.comm_timeout))
 
     rundir = RunDir(Path(t.out))
@@ -196,7 +201,7 @@ def _train(cfg: Config, lay: Layout, device: torch.device, threads: int, rundir:
 
     tokens_per_step = d.batch_size * d.seq_len
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    log = Progress(enabled=lay.rank == 0, total=t.steps)
+    log = Progress(enabled=lay.rank == 0, total=t.steps, log_every=t.log_every)
     compute_s = eval_s = 0.0
     peak_step_bytes = 0  # most bytes the method sent in any one inner step (this rank)
     last_train: list[float] = []
@@ -264,7 +269,8 @@ def _train(cfg: Config, lay: Layout, device: torch.device, threads: int, rundir:
         "final_val_loss_per_replica": rec["val_loss_per_replica"],
         "bytes_sent_per_replica": rec["bytes_sent_per_replica"],
         "bytes_sent": rec["bytes_sent"],
-        "peak_step_bytes": peak_step_bytes,
+        # The most bytes any one worker sent in one inner step (max over all ranks).
+        "peak_step_bytes": int(_gather_scalars(world, lay, [peak_step_bytes], "max")[0]),
         "activation_bytes": rec["activation_bytes"],
         "sync_seconds": rec["sync_seconds"],
         "compute_seconds": stats[0],
@@ -375,6 +381,8 @@ def _gather_scalars(world: Communicator, lay: Layout, values: list[float],
     if lay.world == 1:
         return [float(x) for x in v]
     rows = torch.stack(world.all_gather(v))
+    if how == "max":
+        return [float(x) for x in rows.max(0).values]
     if how == "stage_sum":
         return [float(rows[lay.global_rank(0, s)].sum()) for s in range(lay.stages)]
     return [float(x) for x in rows.mean(0)]
@@ -383,8 +391,9 @@ def _gather_scalars(world: Communicator, lay: Layout, values: list[float],
 class Progress:
     """A rich progress bar on a terminal; plain lines otherwise (logs, CI)."""
 
-    def __init__(self, enabled: bool, total: int) -> None:
+    def __init__(self, enabled: bool, total: int, log_every: int = 10) -> None:
         self.enabled = enabled
+        self.log_every = log_every
         self.tty = enabled and sys.stderr.isatty()
         self.total = total
         self.t0 = time.perf_counter()
@@ -407,6 +416,8 @@ class Progress:
         info = f"loss {loss:.3f} | {tps:,.0f} tok/s" if loss is not None else f"{tps:,.0f} tok/s"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
+        elif self.log_every > 0 and step % self.log_every == 0:
+            print(f"step {step:>6}/{self.total} | {info}", flush=True)
 
     def eval_line(self, rec: dict[str, Any]) -> None:
         msg = (f"step {rec['step']:>6} | train {rec['train_loss']:.4f} | val {rec['val_loss']:.4f}"

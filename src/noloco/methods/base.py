@@ -56,7 +56,12 @@ class Method:
         """Called once after the last inner step: complete any communication still in flight."""
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hook into ``optimizer.step()`` so the user's loop needs no extra calls."""
+        """Hook into ``optimizer.step()`` so the user's loop needs no extra calls.
+
+        The pre-step hook (DDP's gradient averaging) runs inside ``optimizer.step()``, so a
+        ``clip_grad_norm_`` in the loop clips each replica's own gradient before averaging;
+        call ``sync_gradients()`` explicitly before clipping to clip the averaged gradient.
+        """
         optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
         optimizer.register_step_post_hook(lambda *_: self.after_inner_step())
 
