@@ -10,8 +10,10 @@ directory, and this script reads back summary.json and metrics.jsonl:
 - bytes sent per replica, seconds blocked in communication, wall seconds of the run;
 - compute utilisation (inner-step compute ÷ training-loop seconds, evaluations excluded).
 
-A fourth run, ``single`` (one replica, the same per-replica batch, steps and learning rate),
-is a reference line: how much the other replicas' tokens buy each method.
+Two more runs are reference lines: ``single`` (one replica, the same per-replica batch, steps
+and learning rate: what the other replicas' tokens buy each method) and ``averaging`` (DiLoCo
+with outer lr 1 and no momentum, i.e. the replicas' weights plainly averaged every H steps:
+what DiLoCo's outer optimizer adds to averaging).
 
 Targets: DiLoCo and NoLoCo within 10% of DDP's validation loss; bytes per replica
 NoLoCo < DiLoCo < DDP; compute utilisation >= 0.9 for DiLoCo and NoLoCo.
@@ -37,9 +39,11 @@ import common  # noqa: E402
 
 METHODS = ("ddp", "diloco", "noloco")
 REFERENCE = "single"  # one replica with the same per-replica settings: what averaging adds
+AVERAGING = "averaging"  # DiLoCo with outer lr 1, no momentum: plain model averaging every H
 TARGET_LOSS_GAP = 0.10
 TARGET_UTILISATION = 0.9
-COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue", "single": "k"}
+COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue", "single": "k",
+          "averaging": "tab:orange"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,10 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=50, help="H of DiLoCo and NoLoCo")
     p.add_argument("--eval-every", type=int, default=25, help="evaluate every K steps")
     p.add_argument("--eval-batches", type=int, default=4, help="validation batches per eval")
-    p.add_argument("--methods", nargs="+", default=[*METHODS, REFERENCE],
-                   choices=[*METHODS, REFERENCE],
-                   help="methods to run, in this order ('single': one replica with the same "
-                   "per-replica settings, a reference line)")
+    p.add_argument("--methods", nargs="+", default=[*METHODS, REFERENCE, AVERAGING],
+                   choices=[*METHODS, REFERENCE, AVERAGING],
+                   help="methods to run, in this order. References: 'single' (one replica "
+                   "with the same per-replica settings) and 'averaging' (DiLoCo with outer lr "
+                   "1 and no momentum: the replicas' weights averaged every H steps)")
     p.add_argument("--seed", type=int, default=0, help="seed of every run")
     p.add_argument("--runs-dir", default=None,
                    help="keep the run directories here (default: a temporary directory)")
@@ -84,15 +89,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_cmd(a: argparse.Namespace, method: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "noloco", "train", "--method", method,
+    cmd = [sys.executable, "-m", "noloco", "train",
+           "--method", "diloco" if method == AVERAGING else method,
            "--replicas", str(1 if method == REFERENCE else a.replicas),
            "--preset", a.preset, "--data", a.data,
            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
            "--eval-every", str(a.eval_every), "--eval-batches", str(a.eval_batches),
            "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
-    if method in ("diloco", "noloco"):
+    if method in ("diloco", "noloco", AVERAGING):
         cmd += ["--sync-every", str(a.sync_every)]
+    if method == AVERAGING:
+        cmd += ["--outer-lr", "1.0", "--outer-momentum", "0", "--no-nesterov"]
     return cmd
 
 
@@ -135,8 +143,9 @@ def judge(res: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 gap = s[m]["final_val_loss"] / base - 1
                 out[f"{m}_loss_gap_vs_ddp"] = gap
                 out[f"{m}_loss_within_10pct"] = gap <= TARGET_LOSS_GAP
-        if REFERENCE in s:  # no target: how far one replica alone stays behind
-            out["single_loss_gap_vs_ddp"] = s[REFERENCE]["final_val_loss"] / base - 1
+        for m in (REFERENCE, AVERAGING):  # no targets: the reference lines
+            if m in s:
+                out[f"{m}_loss_gap_vs_ddp"] = s[m]["final_val_loss"] / base - 1
     if all(m in s for m in METHODS):
         b = {m: s[m]["bytes_sent_per_replica"] for m in METHODS}
         out["bytes_order_noloco_lt_diloco_lt_ddp"] = b["noloco"] < b["diloco"] < b["ddp"]
@@ -160,6 +169,8 @@ def plot(res: dict[str, dict[str, Any]], a: argparse.Namespace, path: Path) -> P
                  f"{s['bytes_sent_per_replica'] / 2**20:,.0f} MiB/replica")
         if m == REFERENCE:
             label = f"single replica (reference): {s['final_val_loss']:.3f}"
+        elif m == AVERAGING:
+            label = f"plain averaging every H (reference): {s['final_val_loss']:.3f}"
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=label,
                 color=COLORS.get(m))
     if any(m != "ddp" for m in res):
@@ -174,7 +185,7 @@ def plot(res: dict[str, dict[str, Any]], a: argparse.Namespace, path: Path) -> P
               if c["val_loss"] is not None), default=None)
     if lo is not None:
         first = max(r["curve"][1]["val_loss"] for m, r in res.items()
-                    if len(r["curve"]) > 1 and m != REFERENCE)
+                    if len(r["curve"]) > 1 and m in METHODS)
         ax.set_ylim(lo - 0.05, first + 0.1)
     ax.legend(fontsize=8)
     return common.save_figure(fig, path)
