@@ -354,10 +354,14 @@ def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator) 
     if lay.replicas == 1:
         return 0.0
     flat = flatten(params, torch.float64)
-    gathered = world.all_gather_async(flat) if lay.stages == 1 else None
-    if gathered is not None:
-        allp = torch.stack(gathered.wait())
-        sq = ((allp - allp.mean(0)) ** 2).sum().item()
+    if lay.stages == 1:
+        # Two all-reduces (the mean, then the squared deviations) instead of gathering every
+        # replica's weights: 2·S per rank whatever N, which matters on slow links.
+        mean = flat.clone()
+        world.all_reduce_mean(mean)
+        sq_t = torch.tensor([((flat - mean) ** 2).sum().item()], dtype=torch.float64)
+        world.all_reduce_mean(sq_t)
+        sq = sq_t.item() * lay.world
         n = flat.numel()
     else:
         # Stages hold different parameters: gather per stage through the world, padded.
