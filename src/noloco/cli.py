@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
-from noloco.config import Config, ConfigError, apply_overrides, flag_name, load_toml, section_fields
+from noloco.config import (
+    RESUMABLE,
+    Config,
+    ConfigError,
+    apply_overrides,
+    flag_name,
+    load_toml,
+    section_fields,
+)
 from noloco.data import DataError
 
 EXIT_USAGE = 2
@@ -33,6 +42,10 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE.toml",
                    help="TOML file of settings (sections [model] [data] [optim] [method] [train] "
                         "or flat keys named like the flags); flags override it")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its newest complete checkpoint, to "
+                        "--steps total inner steps; only --steps, --eval-every, --log-every, "
+                        "checkpointing, timeout and fault flags may differ from the run's")
     groups = {}
     for section, f in section_fields():
         g = groups.get(section) or p.add_argument_group(section)
@@ -40,6 +53,7 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
         default = getattr(getattr(Config(), section), f.name)
         help_text = f.metadata.get("help", "") + (f" (default: {default})" if default is not None
                                                    else "")
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         flag = flag_name(f)
         if isinstance(default, bool):
             g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
@@ -65,49 +79,104 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(ns: argparse.Namespace) -> Config:
-    cfg = Config()
+def _given(ns: argparse.Namespace) -> tuple[dict[str, Any], str | None, str | None]:
+    """(the settings given on the command line, the --config file, the --resume directory)."""
     values = vars(ns).copy()
-    values.pop("command", None)
-    values.pop("func", None)
-    path = values.pop("config", None)
+    for key in ("command", "func"):
+        values.pop(key, None)
+    return values, values.pop("config", None), values.pop("resume", None)
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    values, path, _ = _given(ns)
+    cfg = Config()
     if path:
         apply_overrides(cfg, load_toml(path), origin=str(path))
     apply_overrides(cfg, values, origin="the command line")
     return cfg
 
 
+def resume_config(ns: argparse.Namespace) -> Config:
+    """The config of the run being resumed, with the settings that may change applied. A
+    setting that would change the computed numbers is refused, naming its flag."""
+    from noloco.rundir import RunDir
+
+    values, path, run_dir = _given(ns)
+    saved = RunDir(run_dir).read_config()
+    wanted = Config.from_dict(saved.to_dict())
+    if path:
+        apply_overrides(wanted, load_toml(path), origin=str(path))
+    apply_overrides(wanted, values, origin="the command line")
+    if values.get("out") not in (None, run_dir) and Path(values["out"]) != Path(run_dir):
+        raise ConfigError(f"--out cannot be combined with --resume (the run directory is "
+                          f"{run_dir})")
+    was, now = saved.to_dict(), wanted.to_dict()
+    for section, f in section_fields():
+        old, new = was[section][f.name], now[section][f.name]
+        if old != new and f"{section}.{f.name}" not in RESUMABLE:
+            raise ConfigError(f"{flag_name(f)} cannot change when resuming: the run in "
+                              f"{run_dir} used {old!r}, not {new!r} (only "
+                              f"{', '.join(_resumable_flags())} may differ)")
+    wanted.train.out, wanted.train.overwrite = str(run_dir), False
+    return wanted.resolved()
+
+
+def _resumable_flags() -> list[str]:
+    return [flag_name(f) for sec, f in section_fields()
+            if f"{sec}.{f.name}" in RESUMABLE and f.name not in ("out", "overwrite")]
+
+
 def train(ns: argparse.Namespace) -> int:
     from noloco.launch import launch_local, under_torchrun
     from noloco.rundir import RunDir
 
-    cfg = config_from_args(ns).resolved()
+    resuming = getattr(ns, "resume", None) is not None
+    cfg = resume_config(ns) if resuming else config_from_args(ns).resolved()
     if under_torchrun():
-        from noloco.worker import run
-        run(cfg)
-        return 0
-    _preflight(cfg)
-    RunDir(cfg.train.out).prepare(cfg, overwrite=cfg.train.overwrite)
-    launch_local(cfg)
-    return 0
+        from noloco.worker import main as worker_main
+        return worker_main(cfg, resume=resuming, must_resume=resuming)
+    _preflight(cfg, resuming)
+    rundir = RunDir(cfg.train.out)
+    if resuming:
+        _preflight_resume(cfg)
+        rundir.write_config(cfg)
+    else:
+        rundir.prepare(cfg, overwrite=cfg.train.overwrite)
+    return launch_local(cfg, resume=resuming, must_resume=resuming)
 
 
-def _preflight(cfg: Config) -> None:
-    """Catch bad data before any worker starts or anything is written."""
-    from pathlib import Path
+def _preflight_resume(cfg: Config) -> None:
+    from noloco.checkpoint import complete_steps
 
-    from noloco.data import make_tokenizer
+    root = Path(cfg.train.out) / "checkpoints"
+    steps = complete_steps(root, cfg.world_size)
+    if not steps:
+        raise ConfigError(f"no complete checkpoint in {root}: nothing to resume")
+    if steps[0] >= cfg.train.steps:
+        raise ConfigError(f"the run in {cfg.train.out} already reached step {steps[0]}: pass "
+                          f"--steps above it to train further")
+    if cfg.optim.schedule_steps < cfg.train.steps:
+        print(f"noloco: note: the learning-rate schedule of this run ends at step "
+              f"{cfg.optim.schedule_steps} (its --schedule-steps); later steps keep its final "
+              f"learning rate", file=sys.stderr)
+
+
+def _preflight(cfg: Config, resuming: bool) -> None:
+    """Catch bad input before any worker starts or anything is written."""
+    from noloco.data import ShardedReader, load_corpus, make_tokenizer
     from noloco.rundir import RunDir
+    from noloco.worker import check_device
 
-    RunDir(Path(cfg.train.out)).check(cfg.train.overwrite)
+    check_device(cfg.train.device, cfg.world_size)
+    RunDir(Path(cfg.train.out)).check(overwrite=cfg.train.overwrite or resuming)
     src = cfg.data.data
     if src != "builtin" and not src.startswith("hf:"):
         p = Path(src)
         if not p.exists():
             raise DataError(f"data path not found: {src}")
     tok = make_tokenizer(cfg.data.tokenizer)
-    from noloco.data import ShardedReader, load_corpus
-    corpus = load_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens)
+    corpus = load_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens,
+                         allow_binary=cfg.data.allow_binary)
     ShardedReader(corpus.train, cfg.data.seq_len, cfg.data.batch_size, 0, cfg.method.replicas)
 
 

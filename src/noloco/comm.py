@@ -21,12 +21,13 @@ Every operation can time out (``timeout`` of the process group) instead of hangi
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -37,12 +38,26 @@ import torch.distributed as dist
 from noloco import quant
 
 
+class CommError(RuntimeError):
+    """A communication that failed or timed out, with the rank to blame when one is known."""
+
+    def __init__(self, message: str, culprit: int | None = None) -> None:
+        super().__init__(message)
+        self.culprit = culprit
+
+
 class Pending:
-    """An operation in flight. ``wait()`` blocks (counted as sync time) and returns its result."""
+    """An operation in flight. ``wait()`` blocks (counted as sync time) and returns its result.
+
+    ``op`` and ``ranks`` (the global ranks waited for) are what a stall warning or a failure
+    reports; a failure raises :class:`CommError`.
+    """
 
     def __init__(self, comm: Communicator, works: Sequence[Any],
-                 finish: Callable[[], Any] | None = None) -> None:
+                 finish: Callable[[], Any] | None = None, op: str = "",
+                 ranks: Sequence[int] = ()) -> None:
         self._comm, self._works, self._finish = comm, list(works), finish
+        self._op, self._ranks = op, tuple(ranks)
         self._done, self._result = False, None
 
     def is_completed(self) -> bool:
@@ -51,12 +66,35 @@ class Pending:
     def wait(self) -> Any:
         if not self._done:
             t0 = time.perf_counter()
-            for w in self._works:
-                w.wait()
-            self._comm.sync_seconds += time.perf_counter() - t0
+            try:
+                wait_works(self._works, self._op, self._ranks, self._comm.watchdog)
+            finally:
+                self._comm.sync_seconds += time.perf_counter() - t0
             self._result = self._finish() if self._finish else None
             self._done = True
         return self._result
+
+
+def wait_works(works: Sequence[Any], op: str, ranks: Sequence[int], watchdog: Any = None
+               ) -> None:
+    """Wait for torch ``Work`` handles that wait on ``ranks`` (global ranks) in ``op``: the
+    watchdog (a :class:`noloco.watchdog.Watchdog`, optional) sees the wait, and a failure is
+    a :class:`CommError` that names the rank to blame when it can be told."""
+    t0 = time.perf_counter()
+    try:
+        with watchdog.waiting(op, ranks) if watchdog else contextlib.nullcontext():
+            for w in works:
+                w.wait()
+    except RuntimeError as e:
+        if isinstance(e, CommError):
+            raise
+        waited = time.perf_counter() - t0
+        if watchdog is not None:
+            culprit, line = watchdog.explain(op, ranks, e, waited)
+            raise CommError(line, culprit) from e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CommError(f"{op} failed after {waited:.1f} s waiting for ranks {list(ranks)}: "
+                        f"{first}") from e
 
 
 class Communicator(ABC):
@@ -69,6 +107,30 @@ class Communicator(ABC):
         self.bytes_sent = 0
         self.sync_seconds = 0.0
         self.ops: Counter[str] = Counter()
+        self.watchdog: Any = None
+        """a :class:`noloco.watchdog.Watchdog`: names the peer a stalled or failed wait is
+        blocked on (None: plain errors)"""
+
+    # ---- accounting --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The accounting (bytes, blocked seconds, operation counts), for checkpoints."""
+        return {"bytes_sent": self.bytes_sent, "sync_seconds": self.sync_seconds,
+                "ops": dict(self.ops)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.bytes_sent = int(sd["bytes_sent"])
+        self.sync_seconds = float(sd["sync_seconds"])
+        self.ops = Counter(sd["ops"])
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Traffic that is not training traffic (metrics, final averages): the accounting is
+        left as it was."""
+        saved = self.state_dict()
+        try:
+            yield
+        finally:
+            self.load_state_dict(saved)
 
     # ---- collectives ---------------------------------------------------------------------
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
@@ -110,8 +172,7 @@ class Communicator(ABC):
         """Start an exchange; ``wait()`` returns the peers' tensors in ``peers`` order."""
 
     def stats(self) -> dict[str, Any]:
-        return {"bytes_sent": self.bytes_sent, "sync_seconds": self.sync_seconds,
-                "ops": dict(self.ops)}
+        return self.state_dict()
 
 
 def ring_all_reduce_bytes(nbytes: int, size: int) -> int:
@@ -200,7 +261,7 @@ class TorchCommunicator(Communicator):
         def finish() -> None:
             tensor.div_(size)
 
-        return Pending(self, [work], finish)
+        return Pending(self, [work], finish, "all_reduce", self.ranks)
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
         self._drain()
@@ -208,7 +269,7 @@ class TorchCommunicator(Communicator):
         self.bytes_sent += (self.size - 1) * tensor.numel() * tensor.element_size()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
         work = dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True)
-        return Pending(self, [work], lambda: out)
+        return Pending(self, [work], lambda: out, "all_gather", self.ranks)
 
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
         self._drain()
@@ -229,7 +290,7 @@ class TorchCommunicator(Communicator):
         # queues behind this rank's whole payload and the two directions run one after the
         # other (2x slower on a slow link; benchmarks/wan.py measures it).
         works = dist.batch_isend_irecv(recvs + sends) if sends else []
-        return Pending(self, works, lambda: bufs)
+        return Pending(self, works, lambda: bufs, "exchange", [self.ranks[p] for p in peers])
 
 
     def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
@@ -273,15 +334,16 @@ class TorchCommunicator(Communicator):
         def finish() -> None:
             tensor.copy_(fut.result()[:n])
 
-        return Pending(self, [_FutureWork(fut)], finish)
+        return Pending(self, [_FutureWork(fut)], finish, "all_reduce_quantized", self.ranks)
 
     def _drain(self) -> None:
         """Wait (as blocked time) until no helper-thread job can touch the group."""
         jobs, self._jobs = [f for f in self._jobs if not f.done()], []
         if jobs:
             t0 = time.perf_counter()
-            for f in jobs:
-                f.exception()  # waits; a failure is raised by its own Pending.wait()
+            # A failure is raised by the job's own Pending.wait().
+            wait_works([_FutureWork(f, raise_errors=False) for f in jobs],
+                       "all_reduce_quantized", self.ranks, self.watchdog)
             self.sync_seconds += time.perf_counter() - t0
 
 
@@ -320,11 +382,14 @@ def _check_quantizable(tensor: torch.Tensor, fmt: str, block_size: int) -> None:
 class _FutureWork:
     """A helper-thread job seen as a torch ``Work`` (what :class:`Pending` waits on)."""
 
-    def __init__(self, fut: Future) -> None:
-        self._fut = fut
+    def __init__(self, fut: Future, raise_errors: bool = True) -> None:
+        self._fut, self._raise = fut, raise_errors
 
     def wait(self) -> None:
-        self._fut.result()
+        if self._raise:
+            self._fut.result()
+        else:
+            self._fut.exception()
 
     def is_completed(self) -> bool:
         return self._fut.done()

@@ -10,6 +10,7 @@ turns into a one-line message and exit code 2 before anything is written.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import tomllib
@@ -57,6 +58,9 @@ class DataConfig:
     max_tokens: int = opt(
         50_000_000, "at most this many tokens are read from a corpus (hf streams are cut here)"
     )
+    allow_binary: bool = opt(
+        False, "train on files that are mostly not UTF-8 text (refused by default: more than "
+        "2% invalid bytes usually means a binary file was picked up by mistake)")
 
 
 @dataclass(kw_only=True)
@@ -67,6 +71,10 @@ class OptimConfig:
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the gradient norm to this (0 disables)")
+    schedule_steps: int | None = opt(
+        None, "inner steps the learning-rate schedule spans (warm-up, then cosine to lr/10); "
+        "default --steps. Set it above --steps to train the first part of a longer run and "
+        "continue it later with --resume, bit for bit as if it had never stopped")
 
 
 @dataclass(kw_only=True)
@@ -97,7 +105,13 @@ class MethodConfig:
     routing: str = opt("random", "pipeline routing between stages in training: random or fixed")
     microbatches: int = opt(0, "pipeline microbatches per step (0: 2 x stages, at most the "
                             "batch size; see docs/pipeline.md)")
-    comm_timeout: float = opt(600.0, "seconds before a blocked collective or exchange fails")
+    comm_timeout: float = opt(
+        120.0, "seconds a blocked collective or exchange waits before the run fails, naming the "
+        "rank that stopped answering (long enough for an outer exchange of the small preset "
+        "over ~50 Mbit/s; raise it for bigger models on slower links)")
+    stall_warning: float = opt(
+        30.0, "seconds blocked on a peer before a worker prints, once, which rank it is waiting "
+        "for")
 
 
 @dataclass(kw_only=True)
@@ -108,6 +122,17 @@ class TrainConfig:
     seed: int = opt(0, "random seed (model init, data order, NoLoCo groups)")
     out: str = opt("runs/latest", "run directory")
     overwrite: bool = opt(False, "replace an existing run directory")
+    checkpoint_every: int | None = opt(
+        None, "save a checkpoint every K inner steps, and at the end (default: every outer step "
+        "(H) of diloco/noloco/streaming, every 100 steps of single/ddp; 0 disables)")
+    keep_checkpoints: int = opt(2, "keep the newest N complete checkpoints")
+    max_restarts: int = opt(
+        0, "restart the workers up to R times after one dies, from the newest checkpoint "
+        "(local runs; under torchrun use torchrun's own --max-restarts)")
+    inject_fault: str = opt(
+        "", "testing tool: faults to inject, comma-separated: kill:REPLICA@STEP (SIGKILL), "
+        "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), slow:REPLICA:FACTOR; REPLICA may "
+        "be REPLICA.STAGE; kill and stall fire once, in the first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
     log_every: int = opt(
         10, "print a progress line every this many steps when not on a terminal (0: never)")
@@ -147,6 +172,10 @@ class Config:
             m.outer_momentum = 0.5 if m.method == "noloco" else 0.9
         if m.gamma is None and m.method == "noloco":
             m.gamma = m.outer_lr
+        if cfg.optim.schedule_steps is None:
+            cfg.optim.schedule_steps = cfg.train.steps
+        if cfg.train.checkpoint_every is None:
+            cfg.train.checkpoint_every = m.sync_every if m.sync_every is not None else 100
         cfg.validate()
         return cfg
 
@@ -238,14 +267,50 @@ class Config:
         if m.microbatches > d.batch_size:
             raise ConfigError(f"--microbatches {m.microbatches} exceeds --batch-size "
                               f"{d.batch_size}")
-        if m.comm_timeout <= 0:
+        if not m.comm_timeout > 0:
             raise ConfigError("--comm-timeout must be > 0")
+        if not m.stall_warning > 0:
+            raise ConfigError("--stall-warning must be > 0")
+        if o.schedule_steps is not None:
+            _positive("--schedule-steps", o.schedule_steps)
+        if t.checkpoint_every is not None and t.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every must be >= 0, got {t.checkpoint_every}")
+        _positive("--keep-checkpoints", t.keep_checkpoints)
+        if t.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {t.max_restarts}")
+        from noloco.faults import parse_faults
+
+        parse_faults(t.inject_fault, m.replicas, m.stages)
         if t.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"unknown device {t.device!r} (choose from auto, cpu, cuda)")
 
     @property
     def world_size(self) -> int:
         return self.method.replicas * self.method.stages
+
+    def math_dict(self) -> dict[str, dict[str, Any]]:
+        """The settings that decide the numbers a run computes: everything except
+        :data:`RESUMABLE` (how long to train, how often to evaluate, log and save, timeouts,
+        fault injection)."""
+        d = self.to_dict()
+        for key in RESUMABLE:
+            sec, name = key.split(".")
+            d[sec].pop(name, None)
+        return d
+
+    def math_hash(self) -> str:
+        """A short hash of :meth:`math_dict`: a checkpoint only loads into a run of the same."""
+        blob = json.dumps(self.math_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out",
+             "train.overwrite", "train.checkpoint_every", "train.keep_checkpoints",
+             "train.max_restarts", "train.inject_fault", "method.comm_timeout",
+             "method.stall_warning")
+"""Settings that may differ when a run is resumed: none of them changes the computed numbers
+(weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
+waits for peers."""
 
 
 def _positive(flag: str, v: int) -> None:

@@ -25,6 +25,8 @@ import torch
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ".json", ".jsonl", ".csv", ".tex",
                  ".html", ".xml", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ""}
 VAL_MODULUS = 20  # one document in 20 (by name hash) is validation
+MAX_INVALID_UTF8 = 0.02
+"""a file with a larger share of bytes that are not UTF-8 is refused (without --allow-binary)"""
 
 
 class DataError(ValueError):
@@ -98,12 +100,12 @@ def builtin_documents() -> Iterator[tuple[str, str]]:
         yield str(p.relative_to(root).as_posix()), p.read_text(encoding="utf-8", errors="replace")
 
 
-def path_documents(path: str) -> Iterator[tuple[str, str]]:
+def path_documents(path: str, allow_binary: bool = False) -> Iterator[tuple[str, str]]:
     p = Path(path)
     if not p.exists():
         raise DataError(f"data path not found: {path}")
     if p.is_file():
-        yield p.name, _read_text(p)
+        yield p.name, _read_text(p, allow_binary)
         return
     files = sorted(
         f for f in p.rglob("*")
@@ -112,14 +114,21 @@ def path_documents(path: str) -> Iterator[tuple[str, str]]:
     if not files:
         raise DataError(f"no text files in directory {path}")
     for f in files:
-        yield str(f.relative_to(p).as_posix()), _read_text(f)
+        yield str(f.relative_to(p).as_posix()), _read_text(f, allow_binary)
 
 
-def _read_text(p: Path) -> str:
+def _read_text(p: Path, allow_binary: bool = False) -> str:
     try:
-        return p.read_text(encoding="utf-8", errors="replace")
+        raw = p.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read {p}: {e.strerror}") from None
+    text = raw.decode("utf-8", errors="replace")
+    if not allow_binary and raw:
+        invalid = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+        if invalid > MAX_INVALID_UTF8 * len(raw):
+            raise DataError(f"{p} is not text: {invalid / len(raw):.0%} of its bytes are not "
+                            f"UTF-8 (pass --allow-binary to train on it anyway)")
+    return text
 
 
 def hf_documents(spec: str, split: str = "train") -> Iterator[tuple[str, str]]:
@@ -152,12 +161,12 @@ def hf_documents(spec: str, split: str = "train") -> Iterator[tuple[str, str]]:
             yield f"{i}", text
 
 
-def documents(source: str) -> Iterator[tuple[str, str]]:
+def documents(source: str, allow_binary: bool = False) -> Iterator[tuple[str, str]]:
     if source == "builtin":
         return builtin_documents()
     if source.startswith("hf:"):
         return hf_documents(source)
-    return path_documents(source)
+    return path_documents(source, allow_binary)
 
 
 # ---- corpus -------------------------------------------------------------------------------
@@ -179,7 +188,8 @@ def is_validation(name: str) -> bool:
 
 
 def load_corpus(source: str, tokenizer: ByteTokenizer | HFTokenizer, seq_len: int,
-                max_tokens: int = 50_000_000, val_fraction: float = 0.05) -> Corpus:
+                max_tokens: int = 50_000_000, val_fraction: float = 0.05,
+                allow_binary: bool = False) -> Corpus:
     """Tokenize a source into train and validation streams.
 
     Validation documents are picked by name hash; when that leaves either side without a full
@@ -190,7 +200,7 @@ def load_corpus(source: str, tokenizer: ByteTokenizer | HFTokenizer, seq_len: in
     val_parts: list[np.ndarray] = []
     total = 0
     eos = np.asarray([tokenizer.eos_id], dtype=np.int32)
-    for name, text in documents(source):
+    for name, text in documents(source, allow_binary):
         ids = tokenizer.encode(text)
         if ids.size == 0:
             continue

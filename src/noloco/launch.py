@@ -1,20 +1,54 @@
-"""Starting workers.
+"""Starting and supervising workers.
 
-- On one machine, ``noloco train --replicas N [--stages P]`` starts N·P local workers through
-  PyTorch's own elastic launcher (the machinery behind ``torchrun``), rendezvous on a free
-  localhost port; gloo on CPU, NCCL on GPUs.
-- Across machines, ``torchrun ... -m noloco train ...`` starts the same entry point; the CLI
-  sees torchrun's environment (RANK, WORLD_SIZE, ...) and runs as one worker directly.
+- Across machines, ``torchrun ... -m noloco train ...`` starts the workers; the CLI sees
+  torchrun's environment (RANK, WORLD_SIZE, ...) and runs as one worker. torchrun's own
+  ``--max-restarts`` restarts them, and they resume from the newest checkpoint.
+- On one machine, ``noloco train --replicas N [--stages P]`` starts N·P worker processes and
+  supervises them here (one worker without restarts runs in this process instead).
+
+The supervisor hosts the run's c10d ``TCPStore`` (the same store torchrun's agent hosts) on
+127.0.0.1 only, and starts each worker as ``python -m noloco.worker`` with torchrun's
+environment variables (plus ``NOLOCO_REPLICA`` / ``NOLOCO_STAGE``, visible to outside tools
+in ``/proc/PID/environ``). Workers write heartbeats and, when they fail, a report into the
+store; gloo is bound to the loopback interface. It does what torchrun's agent does for one
+machine, plus what a user needs from a local run:
+
+- when a worker dies, the others are stopped, the cause is found (the rank killed by a
+  signal, the rank the others' reports name as having stopped answering, ...), and — within
+  ``--max-restarts`` — every worker is started again and continues from the newest complete
+  checkpoint;
+- Ctrl-C / SIGTERM stop every worker (SIGTERM, then SIGKILL after a grace period) and end the
+  run with one line and exit code 130 / 143;
+- ``summary.json`` always says how the run ended (``status``: completed, failed, interrupted).
+
+Workers run in their own sessions (a Ctrl-C reaches the supervisor only, which stops them in
+order) and die with it if it is killed (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
-import uuid
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from noloco import checkpoint as ckpt_mod
 from noloco.config import Config
 from noloco.data import cpu_count
+from noloco.rundir import RunDir
+
+GRACE_SECONDS = 3.0
+"""after the first worker fails: how long the others get to fail (and report) by themselves"""
+STOP_SECONDS = 10.0
+"""after SIGTERM: how long a worker gets to finish its checkpoint write before SIGKILL"""
 
 
 def under_torchrun() -> bool:
@@ -22,28 +56,259 @@ def under_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _worker_entry(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
-    from noloco.worker import run
-    return run(Config.from_dict(cfg_dict))
-
-
-def launch_local(cfg: Config) -> dict[str, Any] | None:
-    """Run the whole job on this machine; returns rank 0's summary."""
-    n = cfg.world_size
+def launch_local(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
+    """Run the whole job on this machine; returns the exit code."""
     os.environ["NOLOCO_RUNDIR_READY"] = "1"
-    if n == 1:
-        from noloco.worker import run
-        return run(cfg)
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    t = cfg.train
+    if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
+        from noloco.worker import main
+        return main(cfg, resume, must_resume)
+    return Supervisor(cfg, resume, must_resume).run()
 
-    # Children inherit these before torch starts its thread pools.
-    threads = max(1, cpu_count() // n)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ["MKL_NUM_THREADS"] = str(threads)
-    lc = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=f"noloco-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
-    )
-    results = elastic_launch(lc, _worker_entry)(cfg.to_dict())
-    return results.get(0)
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux)."""
+    with contextlib.suppress(OSError, ValueError):
+        for name in sorted(os.listdir("/sys/class/net")):
+            if int(Path(f"/sys/class/net/{name}/flags").read_text(), 16) & 0x8:  # LOOPBACK
+                return name
+    return "lo"
+
+
+@dataclass
+class Outcome:
+    kind: str
+    """completed, failed or interrupted"""
+    code: int = 0
+    rank: int | None = None
+    line: str = ""
+    signal: str | None = None
+    restartable: bool = False
+    last_step: int = 0
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class Supervisor:
+    def __init__(self, cfg: Config, resume: bool, must_resume: bool) -> None:
+        self.cfg, self.resume, self.must_resume = cfg, resume, must_resume
+        self.world = cfg.world_size
+        self.stages = cfg.method.stages
+        self.out = Path(cfg.train.out)
+        self.failures: list[dict[str, Any]] = []
+        self.signum: int | None = None
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} (replica {rank // self.stages}, stage {rank % self.stages})"
+
+    # ---- the run -----------------------------------------------------------------------------
+    def run(self) -> int:
+        import torch.distributed as dist
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1024)
+        self.port = sock.getsockname()[1]
+        self.store = dist.TCPStore(
+            "127.0.0.1", self.port, self.world, True,
+            timedelta(seconds=self.cfg.method.comm_timeout), wait_for_workers=False,
+            master_listen_fd=sock.detach())
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            restarts = self.cfg.train.max_restarts
+            for attempt in range(restarts + 1):
+                outcome = self._attempt(attempt)
+                if outcome.kind == "completed":
+                    if self.failures:
+                        RunDir(self.out).update_summary(restarts=attempt,
+                                                        failures=self.failures)
+                    return 0
+                if outcome.kind == "interrupted":
+                    self._write_status("interrupted", outcome, attempt)
+                    print(f"noloco: interrupted at step {outcome.last_step}; continue with: "
+                          f"noloco train --resume {self.out}", file=sys.stderr, flush=True)
+                    return outcome.code
+                newest = self._newest_checkpoint()
+                self.failures.append({"attempt": attempt, "rank": outcome.rank,
+                                      "signal": outcome.signal,
+                                      "exit_code": outcome.details.get("exit_code"),
+                                      "reason": outcome.line, "step": outcome.last_step,
+                                      "t": time.time()})
+                if attempt < restarts and outcome.restartable:
+                    where = (f"checkpoint step {newest}" if newest is not None
+                             else "the start (no checkpoint yet)")
+                    print(f"noloco: {outcome.line} at step {outcome.last_step}; restarting "
+                          f"from {where} (restart {attempt + 1} of {restarts})",
+                          file=sys.stderr, flush=True)
+                    continue
+                self._write_status("failed", outcome, attempt)
+                if outcome.details.get("kind") == "usage":
+                    print(outcome.line, file=sys.stderr, flush=True)
+                    return 2
+                keep = (f"newest checkpoint: step {newest}; continue with: noloco train "
+                        f"--resume {self.out}" if newest is not None else "no checkpoint")
+                print(f"noloco: error: {outcome.line}; the run stopped at step "
+                      f"{outcome.last_step} ({keep})", file=sys.stderr, flush=True)
+                return outcome.code
+            raise AssertionError("unreachable")
+        finally:
+            self._stop_all()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def _env(self, attempt: int) -> dict[str, str]:
+        threads = str(max(1, cpu_count() // self.world))
+        resume = self.resume or attempt > 0
+        env = dict(os.environ)
+        env.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), WORLD_SIZE=str(self.world),
+            LOCAL_WORLD_SIZE=str(self.world), GROUP_RANK="0",
+            TORCHELASTIC_USE_AGENT_STORE="True", NOLOCO_ATTEMPT=str(attempt),
+            NOLOCO_SUPERVISED="1", NOLOCO_RUNDIR_READY="1", NOLOCO_LAUNCHER_PID=str(os.getpid()),
+            NOLOCO_RUN=str(self.out.resolve()), NOLOCO_RESUME="1" if resume else "0",
+            NOLOCO_RESUME_REQUIRED="1" if attempt == 0 and self.must_resume else "0",
+            # Children inherit these before torch starts its thread pools.
+            OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+            # Every listener of a local run on 127.0.0.1: gloo and NCCL bind to loopback.
+            GLOO_SOCKET_IFNAME=loopback_interface(), NCCL_SOCKET_IFNAME=loopback_interface())
+        env.pop("TORCHELASTIC_RUN_ID", None)
+        return env
+
+    def _attempt(self, attempt: int) -> Outcome:
+        base = self._env(attempt)
+        cfg_json = json.dumps(self.cfg.to_dict())
+        self.procs = {}
+        for rank in range(self.world):
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
+                       NOLOCO_REPLICA=str(rank // self.stages),
+                       NOLOCO_STAGE=str(rank % self.stages))
+            self.procs[rank] = subprocess.Popen(
+                [sys.executable, "-m", "noloco.worker", cfg_json], env=env,
+                start_new_session=True)
+        failed: list[tuple[int, int]] = []  # (rank, exit code) in the order noticed
+        first_at = None
+        while True:
+            if self.signum is not None:
+                self._stop_all()  # the workers report the step they stopped at
+                reports = self._reports(attempt)
+                return Outcome("interrupted", code=128 + self.signum,
+                               last_step=self._last_step(attempt, reports))
+            codes = {r: p.poll() for r, p in self.procs.items()}
+            for r, c in codes.items():
+                if c not in (None, 0) and all(r != f for f, _ in failed):
+                    failed.append((r, c))
+            if failed and first_at is None:
+                first_at = time.monotonic()
+            if all(c is not None for c in codes.values()):
+                break
+            if first_at is not None and time.monotonic() - first_at > GRACE_SECONDS:
+                break
+            time.sleep(0.05)
+        if not failed:
+            return Outcome("completed")
+        stopped = {r for r, p in self.procs.items() if p.poll() is None}
+        self._stop_all()
+        return self._diagnose(attempt, failed, stopped)
+
+    def _stop_all(self) -> None:
+        """SIGTERM (and SIGCONT, for a stopped worker), then SIGKILL after STOP_SECONDS."""
+        alive = [p for p in self.procs.values() if p.poll() is None]
+        for p in alive:
+            for sig in (signal.SIGTERM, signal.SIGCONT):
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(sig)
+        deadline = time.monotonic() + STOP_SECONDS
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait()
+
+    # ---- what went wrong -----------------------------------------------------------------
+    def _read(self, key: str) -> dict[str, Any] | None:
+        try:
+            if self.store.check([key]):
+                return json.loads(self.store.get(key))
+        except Exception:  # noqa: BLE001 - an unreadable report is no report
+            pass
+        return None
+
+    def _reports(self, attempt: int) -> dict[int, dict[str, Any]]:
+        return {r: rep for r in range(self.world)
+                if (rep := self._read(f"noloco/report/{attempt}/{r}")) is not None}
+
+    def _last_step(self, attempt: int, reports: dict[int, dict[str, Any]]) -> int:
+        steps = [r.get("step", 0) for r in reports.values()]
+        for rank in range(self.world):
+            hb = self._read(f"noloco/hb/{attempt}/{rank}")
+            if hb:
+                steps.append(hb["step"])
+        return max(steps, default=0)
+
+    def _diagnose(self, attempt: int, failed: list[tuple[int, int]], stopped: set[int]
+                  ) -> Outcome:
+        """The cause of a failed attempt, from exit codes and the workers' reports.
+
+        Precedence: bad input (exit 2: restarting cannot help); a full disk (likewise); a
+        worker killed by a signal nobody here sent (kill -9, the OOM killer); the rank the
+        survivors' reports blame for not answering (a SIGSTOP, a hang); a worker's own crash;
+        else the first worker noticed failing."""
+        reports = self._reports(attempt)
+        step = self._last_step(attempt, reports)
+
+        def outcome(rank: int, line: str, restartable: bool, **details: Any) -> Outcome:
+            code = dict(failed).get(rank)
+            sig = signal.Signals(-code).name if code is not None and code < 0 else None
+            return Outcome("failed", code=1, rank=rank, line=line, signal=sig,
+                           restartable=restartable, last_step=step,
+                           details={"exit_code": code if code and code > 0 else None,
+                                    **details})
+
+        for kind in ("usage", "disk"):
+            for r, rep in sorted(reports.items()):
+                if rep["kind"] == kind:
+                    line = rep["line"] if kind == "usage" else rep["line"].removeprefix(
+                        "noloco: error: ")
+                    return outcome(r, line, False, kind=kind)
+        for r, code in failed:
+            if code < 0 and r not in reports:
+                return outcome(r, f"{self.describe(r)} was killed by "
+                               f"{signal.Signals(-code).name}", True, kind="signal")
+        blamed = [rep["culprit"] for rep in reports.values() if rep.get("culprit") is not None]
+        if blamed:
+            culprit = max(set(blamed), key=blamed.count)
+            line = next(rep["line"] for rep in reports.values() if rep.get("culprit") == culprit)
+            return outcome(culprit, line.removeprefix("noloco: error: "), True, kind="stall",
+                           stopped=culprit in stopped)
+        for r, rep in sorted(reports.items()):
+            if rep["kind"] not in ("quiet", "comm"):
+                return outcome(r, rep["line"].removeprefix("noloco: error: "),
+                               rep.get("restartable", True), kind=rep["kind"])
+        r, code = failed[0]
+        rep = reports.get(r)
+        line = (rep["line"].removeprefix("noloco: error: ") if rep else
+                f"{self.describe(r)} exited with code {code}")
+        return outcome(r, line, True, kind="exit")
+
+    def _newest_checkpoint(self) -> int | None:
+        steps = ckpt_mod.complete_steps(self.out / "checkpoints", self.world)
+        return steps[0] if steps else None
+
+    def _write_status(self, status: str, o: Outcome, attempt: int) -> None:
+        newest = self._newest_checkpoint()
+        fields: dict[str, Any] = {
+            "status": status, "last_step": o.last_step, "exit_code": o.code,
+            "newest_checkpoint": (f"checkpoints/{ckpt_mod.step_dir(Path(), newest).name}"
+                                  if newest is not None else None),
+            "restarts": attempt, "failures": self.failures}
+        if status == "failed":
+            fields.update(failed_rank=o.rank, replica=o.rank // self.stages,
+                          stage=o.rank % self.stages, signal=o.signal,
+                          worker_exit_code=o.details.get("exit_code"), reason=o.line)
+        with contextlib.suppress(OSError):
+            RunDir(self.out).update_summary(**fields)

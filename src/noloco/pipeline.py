@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from noloco.comm import wait_works
 from noloco.config import Config
 from noloco.model import Transformer, lm_loss
 from noloco.split import stage_blocks
@@ -55,6 +56,8 @@ from noloco.split import stage_blocks
 _ROUTE_SALT = 0x726F757465  # "route": keeps routing draws apart from other seeded streams
 # Message kinds; tag = 4·slot + kind, unique per pair of workers within one call.
 _ACT, _LABEL, _GRAD, _EVAL = range(4)
+_ACCOUNTING = ("activation_bytes", "eval_activation_bytes", "wait_seconds", "step_seconds",
+               "steps")
 
 
 def default_microbatches(batch_size: int, stages: int) -> int:
@@ -184,6 +187,8 @@ class PipelineRunner:
         # point-to-point operations never applies.
         self.group = dist.new_group(list(range(lay.world)), backend="gloo",
                                     timeout=timedelta(seconds=m.comm_timeout))
+        self.watchdog: Any = None
+        """names the peer stage a stalled receive waits for (see noloco.watchdog)"""
         self.activation_bytes = 0
         self.eval_activation_bytes = 0
         self.wait_seconds = 0.0
@@ -207,10 +212,10 @@ class PipelineRunner:
         s, me = lay.stage, lay.replica
         xs, ys = inputs.tensor_split(M), targets.tensor_split(M)
         carry_labels = self.routing == "random"
-        sends: list[tuple[Any, torch.Tensor]] = []
+        sends: list[tuple[Any, torch.Tensor, int]] = []
         # Post every receive of the step before any compute.
-        act_in: dict[int, tuple[Any, torch.Tensor, Any, torch.Tensor | None]] = {}
-        grad_in: dict[int, tuple[Any, torch.Tensor]] = {}
+        act_in: dict[int, tuple[Any, torch.Tensor, Any, torch.Tensor | None, int]] = {}
+        grad_in: dict[int, tuple[Any, torch.Tensor, int]] = {}
         for m in range(M):
             g = step * M + m
             n, t = xs[m].shape
@@ -222,12 +227,12 @@ class PipelineRunner:
                 if carry_labels:
                     lbuf = torch.empty(n, t, dtype=torch.int32)
                     lw = dist.irecv(lbuf, src=src, group=self.group, tag=4 * m + _LABEL)
-                act_in[m] = (w, buf, lw, lbuf)
+                act_in[m] = (w, buf, lw, lbuf, src)
             if not st.last:
                 src = lay.global_rank(self.router.next_replica(g, s, me), s + 1)
                 buf = torch.empty(n, t, self.dim)
                 grad_in[m] = (dist.irecv(buf, src=src, group=self.group, tag=4 * m + _GRAD),
-                              buf)
+                              buf, src)
 
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         total = 0.0
@@ -239,10 +244,8 @@ class PipelineRunner:
                     x, labels = None, ys[m]
                     out = st(xs[m])
                 else:
-                    w, buf, lw, lbuf = act_in.pop(m)
-                    self._wait(w)
-                    if lw is not None:
-                        self._wait(lw)
+                    w, buf, lw, lbuf, src = act_in.pop(m)
+                    self._wait([w] if lw is None else [w, lw], src, "pipeline receive")
                     labels = lbuf.to(self.device, torch.int64) if lbuf is not None else ys[m]
                     x = buf.to(self.device).requires_grad_(True)
                     out = st(x)
@@ -265,14 +268,14 @@ class PipelineRunner:
                 if st.last:
                     continue  # already done right after the forward
                 x, out = stash.pop(m)
-                w, buf = grad_in.pop(m)
-                self._wait(w)
+                w, buf, src = grad_in.pop(m)
+                self._wait([w], src, "pipeline receive")
                 out.backward(buf.to(self.device))
                 if x is not None:
                     dst = lay.global_rank(self.router.prev_replica(g, s - 1, me), s - 1)
                     sends.append(self._send(x.grad, dst, 4 * m + _GRAD))
-        for w, _ in sends:
-            self._wait(w)
+        for w, _, dst in sends:
+            self._wait([w], dst, "pipeline send")
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
         return total if st.last else None
@@ -286,8 +289,8 @@ class PipelineRunner:
         s, me = lay.stage, lay.replica
         self.stage.eval()
         ins = []
+        src = lay.global_rank(me, s - 1) if not st.first else -1
         if not st.first:
-            src = lay.global_rank(me, s - 1)
             for b, (x, _) in enumerate(batches):
                 buf = torch.empty(*x.shape, self.dim)
                 ins.append((dist.irecv(buf, src=src, group=self.group, tag=4 * b + _EVAL), buf))
@@ -297,17 +300,17 @@ class PipelineRunner:
                 h = st(x)
             else:
                 w, buf = ins[b]
-                w.wait()
+                wait_works([w], "pipeline receive (evaluation)", [src], self.watchdog)
                 h = st(buf.to(self.device))
             if st.last:
                 total += lm_loss(h, y).item()
             else:
-                work, h = self._send(h, lay.global_rank(me, s + 1), 4 * b + _EVAL,
-                                     count=False)
+                work, h, dst = self._send(h, lay.global_rank(me, s + 1), 4 * b + _EVAL,
+                                          count=False)
                 self.eval_activation_bytes += h.numel() * h.element_size()
-                sends.append((work, h))
-        for w, _ in sends:
-            w.wait()
+                sends.append((work, h, dst))
+        for w, _, dst in sends:
+            wait_works([w], "pipeline send (evaluation)", [dst], self.watchdog)
         self.stage.train()
         return total / len(batches) if st.last else None
 
@@ -332,13 +335,23 @@ class PipelineRunner:
 
     # ---- plumbing --------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, dst: int, tag: int, count: bool = True
-              ) -> tuple[Any, torch.Tensor]:
+              ) -> tuple[Any, torch.Tensor, int]:
         t = t.detach().to("cpu").contiguous()  # kept alive until the send is waited for
         if count:
             self.activation_bytes += t.numel() * t.element_size()
-        return dist.isend(t, dst=dst, group=self.group, tag=tag), t
+        return dist.isend(t, dst=dst, group=self.group, tag=tag), t, dst
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, works: list[Any], peer: int, op: str) -> None:
         t0 = time.perf_counter()
-        work.wait()
-        self.wait_seconds += time.perf_counter() - t0
+        try:
+            wait_works(works, op, [peer], self.watchdog)
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The traffic and timing accounting (the stage holds no other state of its own)."""
+        return {k: getattr(self, k) for k in _ACCOUNTING}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for k in _ACCOUNTING:
+            setattr(self, k, sd[k])

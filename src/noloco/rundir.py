@@ -1,30 +1,53 @@
-"""The run-directory contract every method writes (README, "Run directory").
+"""The run-directory contract every method writes (README, "The run directory").
 
 - ``config.json``: the resolved config;
 - ``metrics.jsonl``: one JSON object per evaluation;
-- ``summary.json``: written once at the end.
+- ``summary.json``: how the run ended (``status``), and for a completed run its results;
+- ``checkpoints/`` (see :mod:`noloco.checkpoint`) and ``model/`` (the final weights).
+
+Nothing is ever half-written:
+- JSON files are replaced atomically: a temporary file in the same directory, fsync, rename,
+  fsync of the directory. A failed write removes its temporary file.
+- A metrics line is one ``write`` of the complete line to a file opened for appending; if the
+  write fails (a full disk) the file is cut back to its previous length, so it only ever holds
+  whole lines. A reader still skips a torn last line (a machine that lost power) with a
+  warning.
 
 An existing, non-empty run directory is never overwritten silently: :meth:`RunDir.prepare`
-refuses unless asked to overwrite, and then replaces only the files this contract names.
-Files are written atomically (temporary file, then rename) so a crash never leaves half a JSON.
+refuses unless asked to overwrite, and then replaces only what this contract names.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from noloco.config import Config, ConfigError
 
-OWNED = ("config.json", "metrics.jsonl", "summary.json")
+OWNED_FILES = ("config.json", "metrics.jsonl", "summary.json")
+OWNED_DIRS = ("checkpoints", "model")
+TMP_SUFFIX = ".tmp"
 
 
 class RunDir:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / "summary.json"
 
     def check(self, overwrite: bool) -> None:
         """Raise ConfigError if writing here would overwrite a run without --overwrite."""
@@ -33,28 +56,89 @@ class RunDir:
             raise ConfigError(f"run directory {p} exists and is not a directory")
         if p.is_dir() and any(p.iterdir()) and not overwrite:
             raise ConfigError(f"run directory {p} already exists and is not empty "
-                              f"(use --overwrite to replace it, or another --out)")
+                              f"(use --overwrite to replace it, --resume {p} to continue it, "
+                              f"or another --out)")
+        ancestor = p
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise ConfigError(f"cannot create run directory {p}: {ancestor} is not a directory")
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise ConfigError(f"cannot create run directory {p}: {ancestor} is not writable")
 
     def prepare(self, cfg: Config, overwrite: bool) -> None:
+        """Create the directory (or empty what a previous run left in it) and write
+        config.json. A failure is a one-line ConfigError and leaves nothing behind."""
         self.check(overwrite)
-        self.path.mkdir(parents=True, exist_ok=True)
-        for name in OWNED:
-            (self.path / name).unlink(missing_ok=True)
+        created = not self.path.exists()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for name in OWNED_FILES:
+                (self.path / name).unlink(missing_ok=True)
+            for name in OWNED_DIRS:
+                shutil.rmtree(self.path / name, ignore_errors=True)
+            self.write_config(cfg)
+        except OSError as e:
+            if created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            raise ConfigError(f"cannot write run directory {self.path}: "
+                              f"{e.strerror or e}") from None
+
+    def write_config(self, cfg: Config) -> None:
         write_json_atomic(self.path / "config.json", cfg.to_dict())
 
-    def append_metrics(self, rec: dict[str, Any]) -> None:
-        with open(self.path / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(_clean(rec)) + "\n")
+    def read_config(self) -> Config:
+        p = self.path / "config.json"
+        try:
+            return Config.from_dict(json.loads(p.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"{self.path} is not a run directory (no config.json)") from None
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot read {p}: {e}") from None
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(self.path / "summary.json", summary)
+    # ---- metrics.jsonl --------------------------------------------------------------------
+    def append_metrics(self, rec: dict[str, Any]) -> None:
+        append_line(self.metrics_path, json.dumps(_clean(rec)))
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        with open(self.path / "metrics.jsonl") as f:
-            return [json.loads(line) for line in f if line.strip()]
+        return read_jsonl(self.metrics_path)
+
+    def truncate_metrics(self, lines: int) -> None:
+        """Keep the first ``lines`` lines (a resumed run rewrites what came after its
+        checkpoint)."""
+        if not self.metrics_path.exists():
+            if lines:
+                raise ConfigError(f"{self.metrics_path} is missing: cannot resume")
+            return
+        keep = self.metrics_path.read_bytes().split(b"\n")[:lines]
+        if len(keep) < lines or (keep and not keep[-1].strip()):
+            raise ConfigError(f"{self.metrics_path} holds fewer than the {lines} lines the "
+                              f"checkpoint expects")
+        write_bytes_atomic(self.metrics_path, b"".join(x + b"\n" for x in keep))
+
+    # ---- summary.json ---------------------------------------------------------------------
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_json_atomic(self.summary_path, summary)
 
     def read_summary(self) -> dict[str, Any]:
-        return json.loads((self.path / "summary.json").read_text())
+        return json.loads(self.summary_path.read_text())
+
+    def update_summary(self, **fields: Any) -> None:
+        """Merge ``fields`` into summary.json (created if missing)."""
+        try:
+            summary = self.read_summary()
+        except (OSError, ValueError):
+            summary = {}
+        summary.update(fields)
+        self.write_summary(summary)
+
+    def remove_stale_tmp(self) -> None:
+        """Delete temporary files a killed writer left (never a complete file)."""
+        for root in (self.path, self.path / "checkpoints", self.path / "model"):
+            if root.is_dir():
+                for f in root.rglob(f"*{TMP_SUFFIX}"):
+                    with contextlib.suppress(OSError):
+                        f.unlink()
 
 
 def _clean(x: Any) -> Any:
@@ -68,7 +152,88 @@ def _clean(x: Any) -> Any:
     return x
 
 
+def fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path) -> Iterator[Path]:
+    """Yields a temporary path beside ``path`` to write to; when the block ends without an
+    error the file is fsynced and renamed over ``path`` (then the directory is fsynced), so
+    ``path`` holds either its old content or the new, never a mix. On an error the temporary
+    file is removed."""
+    path = Path(path)
+    tmp = tmp_path(path)
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    with atomic_write(path) as tmp:
+        tmp.write_bytes(data)
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(obj), indent=2) + "\n")
-    os.replace(tmp, path)
+    write_bytes_atomic(path, (json.dumps(_clean(obj), indent=2) + "\n").encode())
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one whole line: a single write, cut back if it fails part-way."""
+    data = (line.rstrip("\n") + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every whole line of a JSON-lines file; a torn last line is skipped with a warning."""
+    lines = Path(path).read_text().split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # no newline after it: a write that never finished
+                print(f"noloco: warning: {path}: skipping a torn last line", file=sys.stderr)
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not JSON") from None
+    return out
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for a failed file operation: what, where, why."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full writing {e.filename or 'the run directory'} ({e.strerror})"
+    if e.filename:
+        return f"cannot write {e.filename}: {e.strerror or e}"
+    return str(e.strerror or e)

@@ -81,7 +81,7 @@ class DiLoCo(Method):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd.update(slow=[s.clone() for s in self.slow], buf=[b.clone() for b in self.buf])
+        sd.update(slow=self.slow, buf=self.buf)  # live tensors, as torch.optim's state_dict
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:

@@ -264,15 +264,15 @@ class NoLoCo(Method):
 
     def state_dict(self) -> dict[str, Any]:
         """φ, δ and the exchange counter; an exchange in flight is completed (waited for,
-        both partners at the same step) and what it received saved, to be applied on time."""
+        both partners at the same step) and what it received saved, to be applied on time.
+        Tensors are the live ones (as ``torch.optim``'s): copy them to keep a snapshot."""
         sd = super().state_dict()
-        sd.update(slow=[s.clone() for s in self.slow], delta=[d.clone() for d in self.delta],
-                  exchanges=self.exchanges,
-                  inflight=[(j.fragment, j.due, j.payload.clone(),
-                             [r.clone() for r in j.pending.wait()], j.extra)
+        sd.update(slow=self.slow, delta=self.delta, exchanges=self.exchanges,
+                  last_group=list(self.last_group),
+                  inflight=[(j.fragment, j.due, j.payload, list(j.pending.wait()), j.extra)
                             for j in self.inflight])
         if self.start is not None:
-            sd["start"] = [s.clone() for s in self.start]
+            sd["start"] = self.start
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -283,6 +283,7 @@ class NoLoCo(Method):
             for dst, src in zip(self.start, sd["start"], strict=True):
                 dst.copy_(src)
         self.exchanges = int(sd.get("exchanges", self.outer_steps))
+        self.last_group = list(sd.get("last_group", []))
         self.inflight = [
             InFlight(p, due, payload, Pending(self.comm, [], lambda r=received: r), extra)
             for p, due, payload, received, extra in sd.get("inflight", [])]

@@ -234,10 +234,8 @@ class StreamingDiLoCo(Method):
             "quantize": self.quantize, "fragment_syncs": list(self.fragment_syncs)}
         waits = torch.tensor(self.wait_seconds, dtype=torch.float64)
         if self.comm.size > 1 and waits.numel():
-            # Metrics traffic, not training traffic: leave the counters as they were.
-            saved = (self.comm.bytes_sent, self.comm.sync_seconds, self.comm.ops.copy())
-            rows = torch.stack(self.comm.all_gather(waits))
-            self.comm.bytes_sent, self.comm.sync_seconds, self.comm.ops = saved
+            with self.comm.uncounted():  # metrics traffic, not training traffic
+                rows = torch.stack(self.comm.all_gather(waits))
         else:
             rows = waits[None]
         out["sync_wait_mean_seconds"] = float(rows.mean(0).sum()) if waits.numel() else 0.0
@@ -247,14 +245,14 @@ class StreamingDiLoCo(Method):
 
     def state_dict(self) -> dict[str, Any]:
         """Slow weights and momenta per fragment; a sync in flight is completed (waited for,
-        every rank at the same step) and its received mean saved, to be applied on time."""
+        every rank at the same step) and its received mean saved, to be applied on time.
+        Tensors are the live ones (as ``torch.optim``'s): copy them to keep a snapshot."""
         sd = super().state_dict()
         for job in self.inflight:
             job.pending.wait()
-        sd.update(slow=[[s.clone() for s in f] for f in self.slow],
-                  buf=[[b.clone() for b in f] for f in self.buf],
-                  fragment_syncs=list(self.fragment_syncs),
-                  inflight=[(j.fragment, j.due, j.payload.clone()) for j in self.inflight])
+        sd.update(slow=self.slow, buf=self.buf, fragment_syncs=list(self.fragment_syncs),
+                  inflight=[(j.fragment, j.due, j.payload) for j in self.inflight],
+                  wait_seconds=list(self.wait_seconds))
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -263,6 +261,7 @@ class StreamingDiLoCo(Method):
             for d, s in zip(dst, src, strict=True):
                 d.copy_(s)
         self.fragment_syncs = list(sd["fragment_syncs"])
+        self.wait_seconds = list(sd.get("wait_seconds", []))
         self.inflight = [InFlight(p, due, payload.clone(), Pending(self.comm, []))
                          for p, due, payload in sd["inflight"]]
 

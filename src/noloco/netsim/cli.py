@@ -434,6 +434,8 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 
     def run(ns: argparse.Namespace) -> int:
         try:
+            if getattr(ns, "plot", None):
+                _pyplot()  # no matplotlib: say so before computing anything
             return fn(ns)
         except NetsimError as e:
             print(f"noloco: error: {e}", file=sys.stderr)

@@ -1,0 +1,121 @@
+"""Deterministic fault injection: a testing and demonstration tool (``--inject-fault``).
+
+Failures in distributed training are rare and badly timed; tests need them on cue. A fault
+names a worker by its replica (and optionally its stage) and an inner step:
+
+- ``kill:R@S`` — after inner step S, the worker of replica R sends itself SIGKILL: exactly what
+  ``kill -9`` from outside does, at a step a test can rely on.
+- ``stall:R@S:SECONDS`` — after inner step S the worker stops itself with SIGSTOP (its
+  heartbeat thread stops too, as for a frozen or partitioned machine); a helper process sends
+  SIGCONT after SECONDS.
+- ``slow:R:FACTOR`` — every inner step of replica R takes FACTOR times as long (it sleeps the
+  difference): a straggler.
+
+``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
+kill and stall fire once per run: in the first attempt of a fresh run, never again after a
+restart or a resume (which would otherwise replay them forever).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from noloco.config import ConfigError
+
+KINDS = ("kill", "stall", "slow")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    replica: int
+    stage: int | None
+    """None: every stage (slow) — kill and stall default to stage 0"""
+    step: int = 0
+    seconds: float = 0.0
+    factor: float = 1.0
+
+    def hits(self, replica: int, stage: int) -> bool:
+        return self.replica == replica and (self.stage is None or self.stage == stage)
+
+
+def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
+    """``kill:1@40,stall:2@10:5,slow:3:2.5`` → faults; a malformed one is a ConfigError."""
+    out = []
+    for item in filter(None, (x.strip() for x in (spec or "").split(","))):
+        kind, _, rest = item.partition(":")
+        try:
+            if kind == "slow":
+                who, factor = rest.split(":")
+                replica, stage = _who(who, default_stage=None)
+                fault = Fault("slow", replica, stage, factor=float(factor))
+                if not fault.factor >= 1.0:
+                    raise ValueError
+            elif kind in ("kill", "stall"):
+                who, _, when = rest.partition("@")
+                parts = when.split(":")
+                if len(parts) != (2 if kind == "stall" else 1):
+                    raise ValueError
+                replica, stage = _who(who, default_stage=0)
+                fault = Fault(kind, replica, stage, step=int(parts[0]),
+                              seconds=float(parts[1]) if kind == "stall" else 0.0)
+                if fault.step < 1 or fault.seconds < 0:
+                    raise ValueError
+            else:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"bad --inject-fault {item!r} (expected kill:REPLICA@STEP, "
+                              f"stall:REPLICA@STEP:SECONDS or slow:REPLICA:FACTOR>=1)") from None
+        if not 0 <= fault.replica < replicas or (
+                fault.stage is not None and not 0 <= fault.stage < stages):
+            raise ConfigError(f"--inject-fault {item!r} names a worker outside {replicas} "
+                              f"replicas x {stages} stages")
+        out.append(fault)
+    return out
+
+
+def _who(text: str, default_stage: int | None) -> tuple[int, int | None]:
+    replica, dot, stage = text.partition(".")
+    return int(replica), int(stage) if dot else default_stage
+
+
+class FaultInjector:
+    """The faults of one worker. ``once`` is False after a restart or resume: kill and stall
+    have fired already (or were meant for a run that no longer exists)."""
+
+    def __init__(self, faults: list[Fault], replica: int, stage: int, rank: int,
+                 once: bool) -> None:
+        mine = [f for f in faults if f.hits(replica, stage)]
+        self.rank, self.replica, self.stage = rank, replica, stage
+        self.pending = {f.step: f for f in mine if f.kind != "slow" and once}
+        self.slow = max((f.factor for f in mine if f.kind == "slow"), default=1.0)
+
+    def pace(self, step_seconds: float) -> None:
+        """Stretch an inner step that took ``step_seconds`` by the slow factor."""
+        if self.slow > 1.0:
+            time.sleep((self.slow - 1.0) * step_seconds)
+
+    def after_step(self, step: int) -> None:
+        fault = self.pending.pop(step, None)
+        if fault is None:
+            return
+        who = f"rank {self.rank} (replica {self.replica}, stage {self.stage})"
+        pid = os.getpid()
+        if fault.kind == "kill":
+            print(f"noloco: injected fault: SIGKILL to {who} after step {step}",
+                  file=sys.stderr, flush=True)
+            os.kill(pid, signal.SIGKILL)
+        else:
+            print(f"noloco: injected fault: SIGSTOP to {who} after step {step} for "
+                  f"{fault.seconds:g} s", file=sys.stderr, flush=True)
+            # The helper outlives a stop of this process; its own session keeps a Ctrl-C
+            # meant for the run from killing it before it wakes the worker.
+            subprocess.Popen(["sh", "-c", f"sleep {fault.seconds}; kill -CONT {pid}"],
+                             start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+            os.kill(pid, signal.SIGSTOP)

@@ -1,0 +1,158 @@
+"""Run-level numbers: evaluation gathering, weight spread, scalars over workers, progress lines.
+
+Everything here runs on the *metrics* communicator (the whole world), never on a method's
+training communicator, so a run's reported training bytes and blocked seconds stay exactly
+what the method sent and waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+
+from noloco.comm import Communicator, flatten
+
+
+def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: float | None,
+                   train_loss: float | None, params: list[torch.Tensor], runner: Any
+                   ) -> dict[str, Any]:
+    """Per-replica losses, bytes and blocked seconds, and the weight spread (SPEC §3)."""
+    nan = float("nan")
+    row = torch.tensor([
+        nan if val_loss is None else val_loss,
+        nan if train_loss is None else train_loss,
+        float(comm.bytes_sent), comm.sync_seconds, float(runner.activation_bytes),
+    ], dtype=torch.float64)
+    rows = torch.stack(world.all_gather(row)) if lay.world > 1 else row[None]
+    last = lay.stages - 1
+    val = [float(rows[lay.global_rank(r, last), 0]) for r in range(lay.replicas)]
+    train = [float(rows[lay.global_rank(r, last), 1]) for r in range(lay.replicas)]
+    # A replica's bytes are those of all its stages together.
+    per_replica_bytes = [int(sum(rows[lay.global_rank(r, s), 2] for s in range(lay.stages)))
+                         for r in range(lay.replicas)]
+    per_replica_sync = [float(sum(rows[lay.global_rank(r, s), 3] for s in range(lay.stages)))
+                        / lay.stages for r in range(lay.replicas)]
+    act = [int(sum(rows[lay.global_rank(r, s), 4] for s in range(lay.stages)))
+           for r in range(lay.replicas)]
+    return {
+        "train_loss": mean(train),
+        "val_loss": mean(val),
+        "val_loss_per_replica": val,
+        "bytes_sent": mean(per_replica_bytes),
+        "bytes_sent_per_replica": mean(per_replica_bytes),
+        "bytes_sent_by_replica": per_replica_bytes,
+        "activation_bytes": mean(act),
+        "sync_seconds": mean(per_replica_sync),
+        "weight_spread": weight_spread(params, lay, world),
+    }
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+@torch.no_grad()
+def weight_spread(params: list[torch.Tensor], lay: Any, world: Communicator) -> float:
+    """sqrt( Σ_params (p − mean over replicas)² / (#params · N) ), all stages together."""
+    if lay.replicas == 1:
+        return 0.0
+    flat = flatten(params, torch.float64)
+    if lay.stages == 1:
+        # Two all-reduces (the mean, then the squared deviations) instead of gathering every
+        # replica's weights: 2·S per rank whatever N, which matters on slow links.
+        avg = flat.clone()
+        world.all_reduce_mean(avg)
+        sq_t = torch.tensor([((flat - avg) ** 2).sum().item()], dtype=torch.float64)
+        world.all_reduce_mean(sq_t)
+        sq = sq_t.item() * lay.world
+        n = flat.numel()
+    else:
+        # Stages hold different parameters: gather per stage through the world, padded.
+        size = torch.tensor([flat.numel()], dtype=torch.int64)
+        sizes = [int(s) for s in world.all_gather(size)]
+        pad = torch.zeros(max(sizes), dtype=torch.float64)
+        pad[: flat.numel()] = flat
+        allp = world.all_gather(pad)
+        sq, n = 0.0, 0
+        for s in range(lay.stages):
+            ranks = lay.stage_ranks(s)
+            st = torch.stack([allp[r][: sizes[r]] for r in ranks])
+            sq += ((st - st.mean(0)) ** 2).sum().item()
+            n += sizes[ranks[0]]
+    return math.sqrt(sq / (n * lay.replicas))
+
+
+def gather_scalars(world: Communicator, lay: Any, values: list[float],
+                   how: str = "mean") -> list[float]:
+    """``values`` of every worker reduced by ``how``: mean, max, or stage_sum (one number per
+    stage: the sum of replica 0's worker of that stage's values)."""
+    v = torch.tensor(values, dtype=torch.float64)
+    if lay.world == 1:
+        return [float(x) for x in v]
+    rows = torch.stack(world.all_gather(v))
+    if how == "max":
+        return [float(x) for x in rows.max(0).values]
+    if how == "stage_sum":
+        return [float(rows[lay.global_rank(0, s)].sum()) for s in range(lay.stages)]
+    return [float(x) for x in rows.mean(0)]
+
+
+class Progress:
+    """A rich progress bar on a terminal; plain lines otherwise (logs, CI)."""
+
+    def __init__(self, enabled: bool, total: int, log_every: int = 10, start: int = 0) -> None:
+        self.enabled = enabled
+        self.log_every = log_every
+        self.tty = enabled and sys.stderr.isatty()
+        self.total = total
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.bar = None
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+            self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                                    transient=True)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def step(self, step: int, loss: float | None, tokens: int) -> None:
+        if not self.enabled:
+            return
+        self.tokens += tokens
+        tps = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        info = f"loss {loss:.3f} | {tps:,.0f} tok/s" if loss is not None else f"{tps:,.0f} tok/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif self.log_every > 0 and step % self.log_every == 0:
+            print(f"step {step:>6}/{self.total} | {info}", flush=True)
+
+    def line(self, msg: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.console.print(msg)
+        else:
+            print(msg, flush=True)
+
+    def eval_line(self, rec: dict[str, Any]) -> None:
+        self.line(f"step {rec['step']:>6} | train {rec['train_loss']:.4f} | val "
+                  f"{rec['val_loss']:.4f} | spread {rec['weight_spread']:.2e} | sent "
+                  f"{rec['bytes_sent'] / 1e6:,.1f} MB | blocked {rec['sync_seconds']:.2f} s | "
+                  f"{rec['wall_seconds']:.1f} s")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def final(self, summary: dict[str, Any]) -> None:
+        print(json.dumps({k: summary[k] for k in (
+            "method", "replicas", "stages", "steps", "final_val_loss", "bytes_sent_per_replica",
+            "sync_seconds", "compute_utilisation", "weight_spread", "wall_seconds")}),
+            flush=True)
