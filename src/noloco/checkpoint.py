@@ -33,6 +33,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import re
 import threading
 import time
@@ -106,12 +107,18 @@ class _HashingWriter:
 
     def __init__(self, f: Any) -> None:
         self.f, self.sha, self.size = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
+        """the write error torch.save would otherwise hide behind a RuntimeError"""
 
     def write(self, b: Any) -> int:
         view = memoryview(b)
         self.sha.update(view)
         self.size += view.nbytes
-        return self.f.write(b)
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -121,7 +128,12 @@ def write_state(path: Path, tree: Any) -> tuple[int, str]:
     """``torch.save`` to ``path`` atomically; returns (bytes, sha256)."""
     with atomic_write(path) as tmp, open(tmp, "wb") as f:
         w = _HashingWriter(f)
-        torch.save(tree, w)
+        try:
+            torch.save(tree, w)
+        except RuntimeError:
+            if w.error is not None:  # a full disk, not a bug: say so
+                raise OSError(w.error.errno, w.error.strerror, str(path)) from None
+            raise
     return w.size, w.sha.hexdigest()
 
 
@@ -360,8 +372,14 @@ def save_weights(path: Path, tensors: dict[str, torch.Tensor],
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(path) as tmp:
-        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(tmp),
-                  metadata=metadata)
+        try:
+            save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+                      str(tmp), metadata=metadata)
+        except Exception as e:  # safetensors reports an I/O error as its own type
+            code = re.search(r"os error (\d+)", str(e))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None
 
 
 def shard_name(name: str, stage: int, stages: int) -> str:

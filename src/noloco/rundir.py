@@ -178,9 +178,11 @@ def atomic_write(path: Path) -> Iterator[Path]:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
+        if isinstance(e, OSError) and e.filename in (None, str(tmp)):
+            raise OSError(e.errno, e.strerror, str(path)) from None  # name the file
         raise
     fsync_dir(path.parent)
 

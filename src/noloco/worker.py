@@ -593,8 +593,10 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
     trainer = None
     ok = False
     try:
-        _prepare_rundir(cfg, lay, rundir, resume, ctx)
+        # The pieces first (bad data fails here, before anything is written), then the run
+        # directory.
         trainer = Trainer(cfg, lay, device, threads, rundir, ctx, status)
+        _prepare_rundir(cfg, lay, rundir, resume, trainer.world)
         if resume:
             trainer.resume(required=must_resume)
         else:
@@ -610,7 +612,7 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
 
 
 def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool,
-                    ctx: DistContext) -> None:
+                    world: Communicator) -> None:
     """Rank 0 of an outside launch (torchrun) creates the run directory; every rank learns
     whether that worked (else the others would wait for rank 0 until the timeout)."""
     launched_here = os.environ.get("NOLOCO_RUNDIR_READY") == "1"
@@ -627,9 +629,7 @@ def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool,
         except OSError as e:
             error = ConfigError(os_error_line(e))
     if lay.world > 1:
-        failed = gather_scalars(TorchCommunicator(list(range(lay.world)),
-                                                  group=dist.group.WORLD),
-                                lay, [1.0 if error else 0.0], "max")[0]
+        failed = gather_scalars(world, lay, [1.0 if error else 0.0], "max")[0]
         if failed and error is None:
             raise QuietExit(2)  # rank 0 says why
     if error is not None:

@@ -1,0 +1,104 @@
+"""Helpers of the end-to-end tests: small runs through the real CLI, and comparing two runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from noloco.cli import main
+
+SMALL = ["--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--log-every", "0"]
+TIMING = {"wall_seconds", "sync_seconds"}
+"""metrics that measure time: the only fields two identical runs may disagree on"""
+SAME = ("steps", "outer_steps", "final_val_loss", "final_val_loss_per_replica",
+        "bytes_sent_per_replica", "weight_spread", "peak_step_bytes", "activation_bytes",
+        "tokens_per_replica", "params")
+
+
+def train(out: Path, data: Path, *args: str) -> int:
+    """``noloco train`` in this process (its launcher starts the workers)."""
+    return main(["train", "--data", str(data), *SMALL, *args, "--out", str(out)])
+
+
+def cli(*args: str, timeout: float = 240, **kw: Any) -> subprocess.CompletedProcess:
+    """``python -m noloco ARGS`` in a fresh process."""
+    return subprocess.run([sys.executable, "-m", "noloco", *args], capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def weights(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return {f.name: load_file(str(f)) for f in sorted((run / "model").glob("*.safetensors"))}
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary(run: Path) -> dict[str, Any]:
+    return json.loads((run / "summary.json").read_text())
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Bit for bit: final weights of every replica (and their average), every metrics line
+    but its timings, and the summary's losses, bytes and spread."""
+    wa, wb = weights(a), weights(b)
+    assert wa and wa.keys() == wb.keys()
+    for f in wa:
+        assert wa[f].keys() == wb[f].keys()
+        for k in wa[f]:
+            assert torch.equal(wa[f][k], wb[f][k]), f"{f}:{k} differs"
+    ma = [{k: v for k, v in m.items() if k not in TIMING} for m in metrics(a)]
+    mb = [{k: v for k, v in m.items() if k not in TIMING} for m in metrics(b)]
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    assert ma == mb
+    sa, sb = summary(a), summary(b)
+    assert sa["status"] == sb["status"] == "completed"
+    assert {k: sa[k] for k in SAME} == {k: sb[k] for k in SAME}
+
+
+def worker_pids(run: Path) -> dict[tuple[int, int], int]:
+    """(replica, stage) → pid of the local launcher's workers of ``run`` (from the
+    NOLOCO_RUN / NOLOCO_REPLICA / NOLOCO_STAGE variables each worker starts with)."""
+    want = f"NOLOCO_RUN={Path(run).resolve()}".encode()
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if want in env:
+            kv = dict(x.split(b"=", 1) for x in env if b"=" in x)
+            out[(int(kv[b"NOLOCO_REPLICA"]), int(kv[b"NOLOCO_STAGE"]))] = int(d.name)
+    return out
+
+
+def wait_for(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead too
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,115 @@
+"""Resume: K steps + ``--resume`` + K more equals 2K straight steps, bit for bit, per method."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from run_utils import assert_same_run, summary, train
+
+from noloco import checkpoint as C
+from noloco.cli import main
+
+CASES = {
+    # method flags, K (the straight run takes 2K), evaluation interval
+    "single": (["--method", "single", "--dropout", "0.1", "--checkpoint-every", "3"], 6, 3),
+    "ddp": (["--method", "ddp", "--replicas", "2", "--dropout", "0.1",
+             "--checkpoint-every", "3"], 6, 3),
+    "diloco": (["--method", "diloco", "--replicas", "2", "--sync-every", "3"], 6, 3),
+    "noloco": (["--method", "noloco", "--replicas", "2", "--sync-every", "3"], 6, 4),
+    # τ = 1: fragment 0's sync starts after step 4, the checkpoint's step, and lands at 5.
+    "streaming": (["--method", "streaming", "--replicas", "2", "--sync-every", "4",
+                   "--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"], 4, 2),
+    "pipeline": (["--method", "noloco", "--replicas", "2", "--stages", "2", "--sync-every", "3",
+                  "--microbatches", "2"], 6, 3),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", list(CASES))
+def test_k_steps_resume_k_more_equals_2k_straight(tmp_path, shakespeare, capfd, case):
+    flags, k, every = CASES[case]
+    flags = [*flags, "--eval-every", str(every)]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, shakespeare, *flags, "--steps", str(2 * k)) == 0
+    # The first part plans the same schedule as the straight run: --schedule-steps 2K.
+    assert train(split, shakespeare, *flags, "--steps", str(k), "--schedule-steps",
+                 str(2 * k)) == 0
+    first = summary(split)
+    assert first["status"] == "completed" and first["steps"] == k
+    assert C.complete_steps(split / "checkpoints", first["replicas"] * first["stages"])[0] == k
+    if case == "streaming":  # the checkpoint holds a sync in flight, with its received mean
+        saved = C.read_state(C.verify(split / "checkpoints", k, 0, _hash(split))[0])
+        assert [(f, due) for f, due, _ in saved["method"]["inflight"]] == [(0, k + 1)]
+    assert main(["train", "--resume", str(split), "--steps", str(2 * k), "--log-every",
+                 "0"]) == 0
+    assert f"resuming from checkpoints/step-{k:08d} (step {k})" in capfd.readouterr().err
+    assert_same_run(straight, split)
+    assert summary(split)["resumed_from_step"] == k
+    assert json.loads((split / "config.json").read_text())["train"]["steps"] == 2 * k
+
+
+def _hash(run) -> str:
+    from noloco.rundir import RunDir
+
+    return RunDir(run).read_config().resolved().math_hash()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, request):
+    """A finished single-replica run of 10 steps (checkpoints at 5 and 10, schedule of 20)."""
+    from conftest import SHAKESPEARE
+
+    if not SHAKESPEARE.is_file():
+        pytest.skip("../shared/data/tinyshakespeare.txt is not beside this checkout")
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert train(run, SHAKESPEARE, "--steps", "10", "--schedule-steps", "20",
+                 "--checkpoint-every", "5", "--eval-every", "5") == 0
+    return run
+
+
+BAD_RESUME = [
+    (["--lr", "0.5"], "--lr cannot change when resuming"),
+    (["--method", "ddp"], "--method cannot change when resuming"),
+    (["--steps", "10"], "already reached step 10"),
+    (["--steps", "20", "--out", "/tmp/elsewhere"], "--out cannot be combined with --resume"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("argv,msg", BAD_RESUME)
+def test_resume_refuses_what_would_change_the_run(finished, capfd, argv, msg):
+    before = {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()}
+    assert main(["train", "--resume", str(finished), *argv]) == 2
+    err = capfd.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and msg in err, err
+    assert {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()} == before
+
+
+def test_resume_needs_a_run_with_a_checkpoint(tmp_path, shakespeare, capfd):
+    assert main(["train", "--resume", str(tmp_path / "nothing"), "--steps", "5"]) == 2
+    assert "not a run directory" in capfd.readouterr().err
+    run = tmp_path / "nockpt"
+    assert train(run, shakespeare, "--steps", "2", "--checkpoint-every", "0") == 0
+    capfd.readouterr()
+    assert main(["train", "--resume", str(run), "--steps", "5"]) == 2
+    assert "no complete checkpoint" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(200)
+def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(
+        tmp_path, shakespeare, capfd):
+    common = ["--checkpoint-every", "5", "--eval-every", "5", "--dropout", "0.1"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train(straight, shakespeare, *common, "--steps", "20") == 0
+    assert train(split, shakespeare, *common, "--steps", "10", "--schedule-steps", "20") == 0
+    f = C.state_file(split / "checkpoints", 10, 0)
+    raw = bytearray(f.read_bytes())
+    raw[-100] ^= 0x01  # one flipped bit
+    f.write_bytes(bytes(raw))
+    capfd.readouterr()
+    assert main(["train", "--resume", str(split), "--steps", "20", "--log-every", "0"]) == 0
+    err = capfd.readouterr().err
+    assert "checkpoint step-00000010: rank-00000.pt is corrupt" in err
+    assert "resuming from checkpoints/step-00000005 (step 5)" in err
+    assert_same_run(straight, split)
