@@ -341,7 +341,8 @@ def _worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
 
 @pytest.mark.timeout(240)
 def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_path,
-                                                                          shakespeare):
+                                                                          shakespeare,
+                                                                          monkeypatch):
     from noloco.rundir import RunDir
 
     steps, sync_every, bsz, seq = 5, 2, 4, 32
@@ -352,7 +353,7 @@ def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_pa
     from noloco.cli import build_parser, config_from_args
     cfg = config_from_args(build_parser().parse_args(["train", *argv])).resolved()
     RunDir(tmp_path / "run").prepare(cfg, overwrite=False)
-    os.environ["NOLOCO_RUNDIR_READY"] = "1"
+    monkeypatch.setenv("NOLOCO_RUNDIR_READY", "1")
     _run_ranks(_worker, 4, cfg.to_dict())
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

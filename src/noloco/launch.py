@@ -58,11 +58,10 @@ def under_torchrun() -> bool:
 
 def launch_local(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
     """Run the whole job on this machine; returns the exit code."""
-    os.environ["NOLOCO_RUNDIR_READY"] = "1"
     t = cfg.train
     if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
         from noloco.worker import main
-        return main(cfg, resume, must_resume)
+        return main(cfg, resume, must_resume, rundir_ready=True)
     return Supervisor(cfg, resume, must_resume).run()
 
 

@@ -83,8 +83,12 @@ class Watchdog:
             self.store.set(self._key(self.rank), json.dumps(beat))
 
     def _loop(self) -> None:
+        tick = time.monotonic()
         while not self._stop.wait(self.interval):
             self._publish()
+            last, tick = tick, time.monotonic()
+            if tick - last > self.stale_after:
+                continue  # this process was the one stopped (SIGSTOP): the stall is ours
             w = self._wait
             if w is None or self._warned == w[2]:
                 continue

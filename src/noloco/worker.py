@@ -573,11 +573,14 @@ class WorkerStatus:
 
 
 def run(cfg: Config, resume: bool = False, must_resume: bool = False,
-        status: WorkerStatus | None = None) -> dict[str, Any] | None:
+        status: WorkerStatus | None = None, rundir_ready: bool = False
+        ) -> dict[str, Any] | None:
     """Run one worker of the job ``cfg`` describes (rank from torchrun's environment).
 
     ``resume``: continue from the newest complete checkpoint in the run directory (if there
-    is none: start afresh, unless ``must_resume``). Returns rank 0's summary.
+    is none: start afresh, unless ``must_resume``). ``rundir_ready``: a launcher prepared the
+    run directory (else rank 0 does; also said by ``NOLOCO_RUNDIR_READY=1``). Returns rank
+    0's summary.
     """
     status = status or WorkerStatus()
     cfg = cfg.resolved()
@@ -596,7 +599,8 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
         # The pieces first (bad data fails here, before anything is written), then the run
         # directory.
         trainer = Trainer(cfg, lay, device, threads, rundir, ctx, status)
-        _prepare_rundir(cfg, lay, rundir, resume, trainer.world)
+        ready = rundir_ready or os.environ.get("NOLOCO_RUNDIR_READY") == "1"
+        _prepare_rundir(cfg, lay, rundir, resume, ready, trainer.world)
         if resume:
             trainer.resume(required=must_resume)
         else:
@@ -611,17 +615,16 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
         ctx.close()
 
 
-def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool,
+def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool, ready: bool,
                     world: Communicator) -> None:
     """Rank 0 of an outside launch (torchrun) creates the run directory; every rank learns
     whether that worked (else the others would wait for rank 0 until the timeout)."""
-    launched_here = os.environ.get("NOLOCO_RUNDIR_READY") == "1"
     error = None
     if lay.rank == 0:
         try:
-            if not launched_here and not resume:
+            if not ready and not resume:
                 rundir.prepare(cfg, overwrite=cfg.train.overwrite)
-            elif not launched_here:
+            elif not ready:
                 rundir.write_config(cfg)
             rundir.remove_stale_tmp()
         except ConfigError as e:
@@ -703,7 +706,8 @@ def classify(e: BaseException, status: WorkerStatus) -> tuple[int, str, str, int
     return 1, "crash", f"noloco: error: {type(e).__name__}: {e}", status.lay.rank
 
 
-def main(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
+def main(cfg: Config, resume: bool = False, must_resume: bool = False,
+         rundir_ready: bool = False) -> int:
     """A worker process from start to exit code. Errors end as one line (a bug also with its
     traceback); the run directory's summary.json says how the run ended.
 
@@ -715,7 +719,7 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
     status = WorkerStatus(out=cfg.train.out)
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
-        run(cfg, resume, must_resume, status)
+        run(cfg, resume, must_resume, status, rundir_ready)
         return 0
     except BaseException as e:  # noqa: BLE001 - every ending becomes an exit code
         if isinstance(e, SystemExit):
@@ -782,4 +786,5 @@ if __name__ == "__main__":
     _die_with_launcher()
     sys.exit(main(Config.from_dict(json.loads(sys.argv[1])),
                   resume=os.environ.get("NOLOCO_RESUME") == "1",
-                  must_resume=os.environ.get("NOLOCO_RESUME_REQUIRED") == "1"))
+                  must_resume=os.environ.get("NOLOCO_RESUME_REQUIRED") == "1",
+                  rundir_ready=os.environ.get("NOLOCO_RUNDIR_READY") == "1"))
