@@ -47,6 +47,8 @@ from noloco.rundir import RunDir
 
 GRACE_SECONDS = 3.0
 """after the first worker fails: how long the others get to fail (and report) by themselves"""
+SIGNAL_GRACE_SECONDS = 0.5
+"""the same when a worker was killed by a signal: the cause is known, no report is needed"""
 STOP_SECONDS = 10.0
 """after SIGTERM: how long a worker gets to finish its checkpoint write before SIGKILL"""
 
@@ -203,7 +205,8 @@ class Supervisor:
                 first_at = time.monotonic()
             if all(c is not None for c in codes.values()):
                 break
-            if first_at is not None and time.monotonic() - first_at > GRACE_SECONDS:
+            grace = SIGNAL_GRACE_SECONDS if any(c < 0 for _, c in failed) else GRACE_SECONDS
+            if first_at is not None and time.monotonic() - first_at > grace:
                 break
             time.sleep(0.05)
         if not failed:
