@@ -9,9 +9,11 @@ repeats, last in odd ones) so a shared machine's drift hits both alike. Recorded
   per save;
 - one outer step's seconds (H × the median inner-step seconds of the runs without
   checkpoints), and the waited and written seconds as fractions of it;
-- the overhead: median training-loop seconds with checkpoints ÷ without − 1 (evaluations
-  excluded; the background writes compete with training for the cores and the disk, so this
-  is the honest figure). Target: ≤ 2% at H = 50.
+- the overhead per outer step: median training-loop seconds with checkpoints, less the wait
+  for the last checkpoint's write at the end of the run (once per run, however long: reported
+  apart), ÷ without − 1 (evaluations excluded). The background writes compete with training
+  for the cores, memory bandwidth and the disk, so this is the honest figure; the raw ratio
+  (end wait included) is recorded too. Target: ≤ 2% at H = 50.
 
 Recovery: one more run with ``--max-restarts 1`` whose replica 1 is killed with SIGKILL after
 ``--kill-step``; this script timestamps the run's output lines as they arrive: the kill, the
@@ -21,11 +23,12 @@ kill (done twice); seconds lost = that run's wall time − the median wall time 
 uninterrupted runs with checkpoints.
 
 Presets: ``tiny`` runs NoLoCo on 2 replicas (2 worker processes, batch 16 × 128); ``small``
-(85M parameters with the byte tokenizer, a 1.7 GB checkpoint: weights, AdamW's two moments,
-slow weights and outer momentum) runs DiLoCo on 1 replica (one process with both cores,
-batch 2 × 64), which keeps a recorded run within half an hour on 2 cores.
+(85M parameters with the byte tokenizer; weights, AdamW's two moments, slow weights and outer
+momentum make 1.7 GB, of which the slow weights equal the weights at an outer step and are
+stored once) runs DiLoCo on 1 replica (one process with both cores, batch 8 × 128), which
+keeps a recorded run within about 40 minutes on 2 cores.
 
-    python benchmarks/checkpoint.py               # the recorded run (~25 min on 2 cores)
+    python benchmarks/checkpoint.py               # the recorded run (~40 min on 2 cores)
     python benchmarks/checkpoint.py --quick       # smoke run, results in the temp directory
 """
 
@@ -49,7 +52,7 @@ import common  # noqa: E402
 TARGET_OVERHEAD = 0.02
 PRESETS = {
     "tiny": {"method": "noloco", "replicas": 2, "batch_size": 16, "seq_len": 128},
-    "small": {"method": "diloco", "replicas": 1, "batch_size": 2, "seq_len": 64},
+    "small": {"method": "diloco", "replicas": 1, "batch_size": 8, "seq_len": 128},
 }
 
 
@@ -59,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="training text (default: the built-in corpus, no files needed)")
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--sync-every", type=int, default=50, help="H: inner steps per outer step")
-    p.add_argument("--outer-steps", type=int, nargs=2, default=[4, 2], metavar=("TINY", "SMALL"),
-                   help="outer steps per run for tiny and small (default 4 2)")
+    p.add_argument("--outer-steps", type=int, nargs=2, default=[4, 3], metavar=("TINY", "SMALL"),
+                   help="outer steps per run for tiny and small (default 4 3)")
     p.add_argument("--repeats", type=int, nargs=2, default=[3, 2], metavar=("TINY", "SMALL"),
                    help="runs of each side per preset (default 3 2)")
     p.add_argument("--kill-step", type=int, default=130,
@@ -142,7 +145,8 @@ def overhead(a: argparse.Namespace, preset: str, runs: Path) -> dict[str, Any]:
                 "step_seconds": s["step_seconds"], "saves": s["checkpoint_saves"],
                 "bytes": s["checkpoint_bytes"],
                 "blocked_seconds": s["checkpoint_blocked_seconds"],
-                "write_seconds": s["checkpoint_write_seconds"], "load_average": load})
+                "write_seconds": s["checkpoint_write_seconds"],
+                "final_wait_seconds": s["checkpoint_final_wait_seconds"], "load_average": load})
             print(f"{preset} {side} #{rep}: train {s['train_seconds']:.1f} s, "
                   f"{s['checkpoint_saves']} saves", flush=True)
     ck, none = sides["checkpoint"], sides["none"]
@@ -150,7 +154,9 @@ def overhead(a: argparse.Namespace, preset: str, runs: Path) -> dict[str, Any]:
     outer_s = a.sync_every * med(r["step_seconds"] for r in none)
     blocked = med(r["blocked_seconds"] / r["saves"] for r in ck)
     written = med(r["write_seconds"] / r["saves"] for r in ck)
-    ratio = med(r["train_seconds"] for r in ck) / med(r["train_seconds"] for r in none)
+    base = med(r["train_seconds"] for r in none)
+    ratio = med(r["train_seconds"] for r in ck) / base
+    steady = med(r["train_seconds"] - r["final_wait_seconds"] for r in ck) / base
     return {
         "config": {**PRESETS[preset], "preset": preset, "sync_every": a.sync_every,
                    "steps": a.outer_steps[0 if preset == "tiny" else 1] * a.sync_every},
@@ -162,9 +168,11 @@ def overhead(a: argparse.Namespace, preset: str, runs: Path) -> dict[str, Any]:
         "outer_step_seconds": outer_s,
         "blocked_fraction_of_outer_step": blocked / outer_s,
         "write_fraction_of_outer_step": written / outer_s,
+        "final_wait_seconds": med(r["final_wait_seconds"] for r in ck),
         "train_seconds_ratio": ratio,
-        "overhead": ratio - 1,
-        "overhead_within_target": ratio - 1 <= TARGET_OVERHEAD,
+        "overhead_with_final_wait": ratio - 1,
+        "overhead": steady - 1,
+        "overhead_within_target": steady - 1 <= TARGET_OVERHEAD,
     }
 
 
@@ -257,8 +265,9 @@ def main(argv: list[str] | None = None) -> int:
               f"waits {o['blocked_seconds_per_save'] * 1e3:.1f} ms per save "
               f"({100 * o['blocked_fraction_of_outer_step']:.2f}% of an outer step of "
               f"{o['outer_step_seconds']:.1f} s), writes {o['write_seconds_per_save']:.2f} s "
-              f"in the background; overhead {100 * o['overhead']:+.2f}% "
-              f"(target <= {100 * TARGET_OVERHEAD:.0f}%)")
+              f"in the background; overhead per outer step {100 * o['overhead']:+.2f}% "
+              f"(target <= {100 * TARGET_OVERHEAD:.0f}%); the run's end waited "
+              f"{o['final_wait_seconds']:.1f} s for its last write")
     r = results["recovery"]
     print(f"recovery: kill at step {r['kill_step']} -> training again in "
           f"{r['kill_to_training_again_seconds']:.1f} s from step {r['resumed_from_step']} "

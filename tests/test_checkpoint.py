@@ -45,11 +45,26 @@ def test_state_round_trips_exactly_and_loads_without_pickle(tmp_path):
     ck = _save(tmp_path, 7, 0, state)
     data, why = C.verify(tmp_path, 7, 0, "h")
     assert why == "" and ck.bytes == len(data) and ck.last_step == 7
-    back = C.read_state(data)  # torch.load(weights_only=True)
+    back = C.read_state(data)  # no pickle: tensors and a JSON tree
     assert _eq(back, state)
     receipt = json.loads(C.receipt_file(tmp_path, 7, 0).read_text())
     assert receipt["bytes"] == len(data) and receipt["config_hash"] == "h"
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_equal_tensors_are_stored_once_and_load_as_two(tmp_path):
+    p = torch.randn(300, 10)
+    moments = {"exp_avg": torch.zeros(300, 10), "exp_avg_sq": torch.zeros(300, 10)}
+    tree = {"model": {"w": p}, "slow": [p.clone()], "optimizer": moments}
+    ck = C.Checkpointer(tmp_path, 0, 1, "h", every=1)
+    ck.save(1, tree)
+    ck.close()
+    assert ck.bytes < 3 * 300 * 10 * 4  # two distinct tensors of the four are written
+    back = C.read_state(C.verify(tmp_path, 1, 0, "h")[0])
+    assert _eq(back, tree)
+    a, b = back["optimizer"]["exp_avg"], back["optimizer"]["exp_avg_sq"]
+    a.add_(1.0)  # an optimizer updates its moments in place: they must not share memory
+    assert b.abs().sum() == 0 and back["slow"][0].data_ptr() != back["model"]["w"].data_ptr()
 
 
 def test_the_copy_is_taken_at_save_time(tmp_path):
@@ -154,24 +169,33 @@ def test_pruning_keeps_the_newest_complete_checkpoints_of_every_worker(tmp_path)
     slow.close()
 
 
-def test_rng_streams_round_trip():
+def test_rng_streams_round_trip(tmp_path):
     import random
 
     import numpy as np
 
     state = C.rng_state()
     a = (torch.rand(3), random.random(), np.random.rand())
-    C.set_rng_state(C.read_state(_bytes_of(state)))
+    C.write_state(tmp_path / "rng.pt", state)
+    C.set_rng_state(C.read_state((tmp_path / "rng.pt").read_bytes()))
     b = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
-def _bytes_of(tree) -> bytes:
-    import io
+def test_a_checkpoint_file_is_a_safetensors_file(tmp_path):
+    from safetensors.torch import load_file
 
-    buf = io.BytesIO()
-    torch.save(tree, buf)
-    return buf.getvalue()
+    state = {"w": torch.arange(6.0).reshape(2, 3), "m": {0: torch.ones(2, dtype=torch.bfloat16)},
+             "b": torch.tensor(True), "e": torch.empty(0, 4), "n": float("nan"), "t": (1, "x")}
+    C.write_state(tmp_path / "s.pt", state)
+    raw = load_file(str(tmp_path / "s.pt"))
+    assert torch.equal(raw["0"], state["w"]) and raw["1"].dtype == torch.bfloat16
+    back = C.read_state((tmp_path / "s.pt").read_bytes())
+    assert back["t"] == (1, "x") and back["n"] != back["n"] and back["e"].shape == (0, 4)
+    assert _eq({k: v for k, v in back.items() if k != "n"},
+               {k: v for k, v in state.items() if k != "n"})
+    with pytest.raises(TypeError, match="cannot hold a object"):
+        C.write_state(tmp_path / "bad.pt", {"x": object()})
 
 
 def test_final_weights_load_back_as_a_model(tmp_path):

@@ -107,8 +107,8 @@ class MethodConfig:
                             "batch size; see docs/pipeline.md)")
     comm_timeout: float = opt(
         120.0, "seconds a blocked collective or exchange waits before the run fails, naming the "
-        "rank that stopped answering (long enough for an outer exchange of the small preset "
-        "over ~50 Mbit/s; raise it for bigger models on slower links)")
+        "rank that stopped answering (one exchange of 1.5 GB at 100 Mbit/s fits; raise it for "
+        "bigger models on slower links)")
     stall_warning: float = opt(
         30.0, "seconds blocked on a peer before a worker prints, once, which rank it is waiting "
         "for")

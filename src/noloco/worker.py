@@ -456,7 +456,9 @@ class Trainer:
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.poll()
             faults.after_step(st.step)
-        self.ckpt.wait()
+        w0 = time.perf_counter()
+        self.ckpt.wait()  # the last checkpoint is on disk before the run says it completed
+        self.ckpt.final_wait_seconds = time.perf_counter() - w0
         method.finish()
         rec = self.evaluate(t.steps, log)
         log.close()
