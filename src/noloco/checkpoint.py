@@ -451,7 +451,6 @@ class Checkpointer:
                 self._pool = None
 
     def _write(self, step: int, snap: Snapshot) -> None:
-        _lower_priority()
         t0 = time.perf_counter()
         d = step_dir(self.root, step)
         new_dir = not d.exists()
@@ -516,15 +515,6 @@ class Checkpointer:
                 "checkpoint_write_seconds": self.write_seconds,
                 "checkpoint_final_wait_seconds": self.final_wait_seconds,
                 "newest_checkpoint_step": self.last_step}
-
-
-def _lower_priority() -> None:
-    """Let training threads run first: the writer only needs the cores they leave idle (it
-    has until the next checkpoint). On a machine whose cores training keeps busy, a writer at
-    equal priority preempts the intra-op threads of a matrix product, and every thread of
-    that product waits for the preempted one at its barrier."""
-    with contextlib.suppress(AttributeError, OSError):  # Linux: a thread has its own nice
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 # ---- RNG streams ------------------------------------------------------------------------------

@@ -86,15 +86,31 @@ def wait_works(works: Sequence[Any], op: str, ranks: Sequence[int], watchdog: An
             for w in works:
                 w.wait()
     except RuntimeError as e:
-        if isinstance(e, CommError):
-            raise
-        waited = time.perf_counter() - t0
-        if watchdog is not None:
-            culprit, line = watchdog.explain(op, ranks, e, waited)
-            raise CommError(line, culprit) from e
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CommError(f"{op} failed after {waited:.1f} s waiting for ranks {list(ranks)}: "
-                        f"{first}") from e
+        raise comm_error(watchdog, op, ranks, e, time.perf_counter() - t0) from e
+
+
+@contextlib.contextmanager
+def posting(op: str, ranks: Sequence[int], watchdog: Any = None) -> Iterator[None]:
+    """Around the call that starts an operation: a peer already gone can make it fail at
+    once (gloo: "Connection closed by peer"); that too is a :class:`CommError`."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise comm_error(watchdog, op, ranks, e, 0.0) from e
+
+
+def comm_error(watchdog: Any, op: str, ranks: Sequence[int], error: RuntimeError,
+               waited: float) -> CommError:
+    """``error`` of an operation on ``ranks`` as a :class:`CommError`, naming the rank to
+    blame when the watchdog can tell."""
+    if isinstance(error, CommError):
+        return error
+    if watchdog is not None:
+        culprit, line = watchdog.explain(op, ranks, error, waited)
+        return CommError(line, culprit)
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return CommError(f"{op} failed after {waited:.1f} s waiting for ranks {list(ranks)}: "
+                     f"{first}")
 
 
 class Communicator(ABC):
@@ -255,7 +271,9 @@ class TorchCommunicator(Communicator):
         self.ops["all_reduce"] += 1
         self.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(),
                                                  self.size)
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        with posting("all_reduce", self.ranks, self.watchdog):
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=True)
         size = self.size
 
         def finish() -> None:
@@ -268,7 +286,8 @@ class TorchCommunicator(Communicator):
         self.ops["all_gather"] += 1
         self.bytes_sent += (self.size - 1) * tensor.numel() * tensor.element_size()
         out = [torch.empty_like(tensor) for _ in range(self.size)]
-        work = dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True)
+        with posting("all_gather", self.ranks, self.watchdog):
+            work = dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True)
         return Pending(self, [work], lambda: out, "all_gather", self.ranks)
 
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
@@ -289,7 +308,8 @@ class TorchCommunicator(Communicator):
         # arrived, on the same TCP stream as the peer's data. Posted after a send, that notice
         # queues behind this rank's whole payload and the two directions run one after the
         # other (2x slower on a slow link; benchmarks/wan.py measures it).
-        works = dist.batch_isend_irecv(recvs + sends) if sends else []
+        with posting("exchange", [self.ranks[p] for p in peers], self.watchdog):
+            works = dist.batch_isend_irecv(recvs + sends) if sends else []
         return Pending(self, works, lambda: bufs, "exchange", [self.ranks[p] for p in peers])
 
 

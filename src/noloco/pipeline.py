@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from noloco.comm import wait_works
+from noloco.comm import posting, wait_works
 from noloco.config import Config
 from noloco.model import Transformer, lm_loss
 from noloco.split import stage_blocks
@@ -207,6 +207,17 @@ class PipelineRunner:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
                    ) -> float | None:
+        # A neighbour already gone makes posting a receive or send fail at once.
+        with posting("pipeline", self._neighbours(), self.watchdog):
+            return self._train_step(inputs, targets, step)
+
+    def _neighbours(self) -> list[int]:
+        lay = self.lay
+        return [lay.global_rank(r, s) for r in range(lay.replicas)
+                for s in (lay.stage - 1, lay.stage + 1) if 0 <= s < lay.stages]
+
+    def _train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
+                    ) -> float | None:
         t0 = time.perf_counter()
         lay, st, M = self.lay, self.stage, self.microbatches
         s, me = lay.stage, lay.replica
@@ -280,8 +291,12 @@ class PipelineRunner:
         self.step_seconds += time.perf_counter() - t0
         return total if st.last else None
 
-    @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        with posting("pipeline (evaluation)", self._neighbours(), self.watchdog):
+            return self._eval_loss(batches)
+
+    @torch.no_grad()
+    def _eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Fixed routing (each replica's own pipeline), one message per batch: stage s works
         on batch b while stage s+1 works on batch b−1. Every worker holds the same validation
         batches, so the labels need not travel."""

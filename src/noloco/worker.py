@@ -673,6 +673,9 @@ class QuietExit(Exception):
 
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:
+    # Once: a second SIGTERM while the first one unwinds (the launcher stopping every
+    # worker) would interrupt the clean-up, even inside a finaliser.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Interrupted(signum)
 
 
