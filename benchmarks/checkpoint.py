@@ -190,10 +190,11 @@ def recovery(a: argparse.Namespace, runs: Path, reference_wall: float | None
         raise RuntimeError(f"no line matching {pattern!r} in the recovery run")
 
     t_kill, _ = first(r"injected fault: SIGKILL")
-    t_restart, m = first(r"restarting from checkpoint step (\d+)", t_kill)
-    t_loaded, _ = first(r"resuming from checkpoints/step-", t_restart)
+    t_restart, m = first(r"restarting from (?:checkpoint step (\d+)|the start)", t_kill)
+    resumed_from = int(m.group(1) or 0)  # 0: the kill came before any checkpoint finished
+    t_loaded = first(r"resuming from checkpoints/step-", t_restart)[0] if resumed_from else \
+        t_restart
     t_step, _ = first(r"^step +\d+/", t_loaded)
-    resumed_from = int(m.group(1))
     s = json.loads((out / "summary.json").read_text())
     return {
         "kill_step": a.kill_step, "resumed_from_step": resumed_from,

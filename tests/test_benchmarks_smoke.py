@@ -73,3 +73,20 @@ def test_bad_flags_exit_2() -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "sync_latency.py"), "--procs", "3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "even" in proc.stderr
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_quick_writes_a_record(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "checkpoint.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "checkpoint_quick.json").read_text())
+    tiny = rec["results"]["overhead"]["tiny"]
+    assert tiny["checkpoint_bytes_per_worker"] > 1e6 and tiny["saves_per_run"] == 2
+    assert len(tiny["runs"]["checkpoint"]) == len(tiny["runs"]["none"]) == 1
+    r = rec["results"]["recovery"]
+    assert r["status"] == "completed" and r["restarts"] == 1
+    assert r["resumed_from_step"] in (0, 5)  # 0 if the kill beat the first write
+    assert r["steps_lost"] == 7 - r["resumed_from_step"]
+    assert 0 < r["kill_to_training_again_seconds"] < 120

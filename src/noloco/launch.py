@@ -179,6 +179,9 @@ class Supervisor:
         return env
 
     def _attempt(self, attempt: int) -> Outcome:
+        if self.signum is not None:  # interrupted while the last attempt was being stopped
+            return Outcome("interrupted", code=128 + self.signum,
+                           last_step=self._last_step(attempt - 1, self._reports(attempt - 1)))
         base = self._env(attempt)
         cfg_json = json.dumps(self.cfg.to_dict())
         self.procs = {}

@@ -317,6 +317,7 @@ class Trainer:
         """Everything the next inner step depends on (live tensors: the checkpointer copies)."""
         return {
             "format": ckpt_mod.FORMAT, "step": self.state.step, "rank": self.lay.rank,
+            "config_hash": self.cfg.math_hash(),
             "model": dict(self.runner.named_parameters()),
             "optimizer": self.inner.state_dict(),
             "method": self.method.state_dict(),
@@ -418,7 +419,8 @@ class Trainer:
         comm, method, inner, runner = self.comm, self.method, self.inner, self.runner
         if self.resumed_from is None:
             self.evaluate(0, log)
-        elif st.step % t.eval_every == 0 and st.last_eval_step != st.step:
+        elif (st.step % t.eval_every == 0 and st.last_eval_step != st.step
+              and st.step < t.steps):
             # The checkpoint was the last step of its run, where the regular evaluation gives
             # way to the final one (after any sync in flight lands): do it now, as an
             # uninterrupted run would have.
