@@ -67,6 +67,19 @@ def test_equal_tensors_are_stored_once_and_load_as_two(tmp_path):
     assert b.abs().sum() == 0 and back["slow"][0].data_ptr() != back["model"]["w"].data_ptr()
 
 
+def test_minus_zero_is_not_stored_as_zero(tmp_path):
+    a = torch.zeros(1000)
+    b = torch.zeros(1000)
+    b[777] = -0.0  # equal in value, not in bits
+    C.write_state(tmp_path / "z", {"a": a, "b": b})
+    back = C.read_state((tmp_path / "z").read_bytes())
+    assert torch.equal(_raw_bits(back["b"]), _raw_bits(b))
+
+
+def _raw_bits(t):
+    return t.view(torch.int32)
+
+
 def test_the_copy_is_taken_at_save_time(tmp_path):
     w = torch.zeros(1000)
     ck = C.Checkpointer(tmp_path, 0, 1, "h", every=1)
@@ -248,7 +261,7 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_tmp(tmp_path):
 
 def test_remove_stale_tmp(tmp_path):
     (tmp_path / "checkpoints" / "step-00000001").mkdir(parents=True)
-    stale = tmp_path / "checkpoints" / "step-00000001" / ".rank-00000.pt.123.tmp"
+    stale = tmp_path / "checkpoints" / "step-00000001" / ".rank-00000.safetensors.123.tmp"
     stale.write_bytes(b"half")
     keep = tmp_path / "metrics.jsonl"
     keep.write_text("")

@@ -6,6 +6,7 @@ uninterrupted run" means bit for bit (:func:`run_utils.assert_same_run`).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -127,6 +128,49 @@ def test_a_stopped_worker_is_named_by_the_warning_and_the_error(tmp_path, shakes
     assert not any(alive(p) for p in pids.values())
 
 
+@pytest.mark.timeout(120)
+def test_a_worker_error_is_the_cause_not_the_peer_it_left_waiting(tmp_path, shakespeare,
+                                                                   capfd):
+    out = tmp_path / "run"
+    assert train(out, shakespeare, "--method", "ddp", "--replicas", "2", "--steps", "20",
+                 "--inject-fault", "crash:1@3") == 1
+    err = capfd.readouterr().err
+    assert "InjectedCrash: injected crash of rank 1 (replica 1, stage 0) after step 3" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("noloco: error: InjectedCrash: injected crash of rank 1"), last
+    s = summary(out)
+    assert s["status"] == "failed" and s["failed_rank"] == 1
+    assert s["reason"].startswith("InjectedCrash")
+
+
+def _as_torchrun_worker(monkeypatch, run_id: str) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+                 "TORCHELASTIC_RUN_ID": run_id}.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_a_torchrun_restart_of_the_same_job_resumes_and_a_new_job_is_refused(
+        tmp_path, shakespeare, capfd, monkeypatch):
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(shakespeare), *SMALL, "--checkpoint-every", "2",
+            "--eval-every", "2", "--out", str(out), "--overwrite"]
+    _as_torchrun_worker(monkeypatch, "job-a")
+    assert main([*argv, "--steps", "4", "--schedule-steps", "8"]) == 0
+    assert json.loads((out / "job.json").read_text()) == {"torchelastic_run_id": "job-a"}
+    # torchrun restarts job-a (same run id): it resumes, even with --overwrite in its flags.
+    capfd.readouterr()
+    assert main([*argv, "--steps", "8", "--schedule-steps", "8"]) == 0
+    assert "resuming from checkpoints/step-00000004" in capfd.readouterr().err
+    assert summary(out)["resumed_from_step"] == 4 and summary(out)["steps"] == 8
+    # Another job without --overwrite is refused; the run is left as it was.
+    _as_torchrun_worker(monkeypatch, "job-b")
+    argv.remove("--overwrite")
+    assert main([*argv, "--steps", "8"]) == 2
+    assert "already exists" in capfd.readouterr().err
+    assert summary(out)["status"] == "completed"
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method,replicas,sig", [
     ("ddp", "2", signal.SIGINT), ("ddp", "2", signal.SIGTERM), ("single", "1", signal.SIGINT)])
@@ -181,7 +225,7 @@ def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays(small_disk, s
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert lines[0] == (f"noloco: error: disk full writing {out}/checkpoints/step-00000010/"
-                        f"rank-00000.pt (No space left on device) (the newest complete "
+                        f"rank-00000.safetensors (No space left on device) (the newest complete "
                         f"checkpoint, step 5, is intact)")
     data, why = C.verify(out / "checkpoints", 5, 0, _hash(out))
     assert data is not None, why

@@ -110,6 +110,6 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(
     capfd.readouterr()
     assert main(["train", "--resume", str(split), "--steps", "20", "--log-every", "0"]) == 0
     err = capfd.readouterr().err
-    assert "checkpoint step-00000010: rank-00000.pt is corrupt" in err
+    assert "checkpoint step-00000010: rank-00000.safetensors is corrupt" in err
     assert "resuming from checkpoints/step-00000005 (step 5)" in err
     assert_same_run(straight, split)

@@ -2,9 +2,9 @@
 
 Layout inside the run directory::
 
-    checkpoints/step-00000150/rank-00003.pt     the whole state of worker 3 at inner step 150
-    checkpoints/step-00000150/rank-00003.json   its receipt: bytes, sha256, config hash
-    model/replica-0.safetensors                 final weights (see :func:`save_final_weights`)
+    checkpoints/step-00000150/rank-00003.safetensors  worker 3's whole state at inner step 150
+    checkpoints/step-00000150/rank-00003.json         its receipt: bytes, sha256, config hash
+    model/replica-0.safetensors                       final weights (the worker writes them)
 
 Every worker (replica × stage) saves its own state: model, inner optimizer, the method's whole
 state (slow weights, momentum, exchange counters, exchanges in flight), data position, RNG
@@ -38,7 +38,6 @@ import numbers
 import os
 import re
 import struct
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,7 +59,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 def state_file(root: Path, step: int, rank: int) -> Path:
-    return step_dir(root, step) / f"rank-{rank:05d}.pt"
+    return step_dir(root, step) / f"rank-{rank:05d}.safetensors"
 
 
 def receipt_file(root: Path, step: int, rank: int) -> Path:
@@ -81,8 +80,6 @@ def complete_steps(root: Path, world: int) -> list[int]:
     return [s for s in steps_on_disk(root)
             if all(receipt_file(root, s, r).is_file() for r in range(world))]
 
-
-# ---- state trees --------------------------------------------------------------------------
 
 # ---- copying a state tree -------------------------------------------------------------------
 
@@ -161,7 +158,8 @@ class SnapshotBuffer:
             d = t.detach()
             key = _fingerprint(d)
             for k in buckets.get(key, ()):
-                if torch.equal(unique[k], d):
+                # Bytes, not values: -0.0 == 0.0, and a stored copy must be bit for bit.
+                if np.array_equal(_raw(unique[k]), _raw(d)):
                     index[id(t)] = k
                     return
             buckets.setdefault(key, []).append(len(unique))
@@ -403,7 +401,6 @@ class Checkpointer:
         self._buffer = SnapshotBuffer()
         """the copy of the state being written, reused by the next save (which waits for
         that write first)"""
-        self._lock = threading.Lock()
         self.saves = 0
         self.last_step: int | None = None
         """newest step whose write finished on this worker"""
@@ -462,11 +459,11 @@ class Checkpointer:
             "format": FORMAT, "step": step, "rank": self.rank, "world": self.world,
             "bytes": size, "sha256": sha, "config_hash": self.config_hash,
             "saved_at": time.time()})
-        with self._lock:
-            self.saves += 1
-            self.bytes = size
-            self.last_step = step
-            self.write_seconds += time.perf_counter() - t0
+        # Read by the training thread only after wait(): no lock needed.
+        self.saves += 1
+        self.bytes = size
+        self.last_step = step
+        self.write_seconds += time.perf_counter() - t0
         self._announce(step)
         self.prune()
 
@@ -491,15 +488,16 @@ class Checkpointer:
 
     def prune(self) -> None:
         """Delete this worker's files of checkpoints older than the newest ``keep`` complete
-        ones. Runs after every write; call it once more when every worker has finished its
-        last write (a barrier), which only then are all known complete."""
-        mine = [s for s in steps_on_disk(self.root)
-                if receipt_file(self.root, s, self.rank).is_file()]
+        ones (finished or not: an unfinished write of an old step is never needed). Runs
+        after every write; call it once more when every worker has finished its last write
+        (a barrier), which only then are all known complete."""
+        steps = steps_on_disk(self.root)
+        mine = [s for s in steps if receipt_file(self.root, s, self.rank).is_file()]
         complete = [s for s in mine if self._complete_everywhere(s)]
         if len(complete) < self.keep:
             return
         oldest_kept = complete[self.keep - 1]
-        for s in mine:
+        for s in steps:
             if s < oldest_kept:
                 for f in (receipt_file(self.root, s, self.rank),
                           state_file(self.root, s, self.rank)):
@@ -523,8 +521,6 @@ def rng_state() -> dict[str, Any]:
     """Every random stream a worker may draw from (torch CPU and CUDA, numpy, Python)."""
     import random
 
-    import numpy as np
-
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     out = {"torch": torch.get_rng_state(), "python": random.getstate(),
            "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")),
@@ -536,8 +532,6 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     import random
-
-    import numpy as np
 
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])

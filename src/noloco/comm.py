@@ -187,8 +187,6 @@ class Communicator(ABC):
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
         """Start an exchange; ``wait()`` returns the peers' tensors in ``peers`` order."""
 
-    def stats(self) -> dict[str, Any]:
-        return self.state_dict()
 
 
 def ring_all_reduce_bytes(nbytes: int, size: int) -> int:

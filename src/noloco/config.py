@@ -131,8 +131,9 @@ class TrainConfig:
         "(local runs; under torchrun use torchrun's own --max-restarts)")
     inject_fault: str = opt(
         "", "testing tool: faults to inject, comma-separated: kill:REPLICA@STEP (SIGKILL), "
-        "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), slow:REPLICA:FACTOR; REPLICA may "
-        "be REPLICA.STAGE; kill and stall fire once, in the first attempt")
+        "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), crash:REPLICA@STEP (an error), "
+        "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
+        "first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
     log_every: int = opt(
         10, "print a progress line every this many steps when not on a terminal (0: never)")

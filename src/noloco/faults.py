@@ -10,9 +10,10 @@ names a worker by its replica (and optionally its stage) and an inner step:
   SIGCONT after SECONDS.
 - ``slow:R:FACTOR`` — every inner step of replica R takes FACTOR times as long (it sleeps the
   difference): a straggler.
+- ``crash:R@S`` — after inner step S the worker raises an error, as a bug would.
 
 ``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
-kill and stall fire once per run: in the first attempt of a fresh run, never again after a
+kill, stall and crash fire once per run: in the first attempt of a fresh run, never again after a
 restart or a resume (which would otherwise replay them forever).
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from noloco.config import ConfigError
 
-KINDS = ("kill", "stall", "slow")
+KINDS = ("kill", "stall", "slow", "crash")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                 fault = Fault("slow", replica, stage, factor=float(factor))
                 if not fault.factor >= 1.0:
                     raise ValueError
-            elif kind in ("kill", "stall"):
+            elif kind in ("kill", "stall", "crash"):
                 who, _, when = rest.partition("@")
                 parts = when.split(":")
                 if len(parts) != (2 if kind == "stall" else 1):
@@ -70,13 +71,18 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                 raise ValueError
         except ValueError:
             raise ConfigError(f"bad --inject-fault {item!r} (expected kill:REPLICA@STEP, "
-                              f"stall:REPLICA@STEP:SECONDS or slow:REPLICA:FACTOR>=1)") from None
+                              f"stall:REPLICA@STEP:SECONDS, crash:REPLICA@STEP or "
+                              f"slow:REPLICA:FACTOR>=1)") from None
         if not 0 <= fault.replica < replicas or (
                 fault.stage is not None and not 0 <= fault.stage < stages):
             raise ConfigError(f"--inject-fault {item!r} names a worker outside {replicas} "
                               f"replicas x {stages} stages")
         out.append(fault)
     return out
+
+
+class InjectedCrash(RuntimeError):
+    """What ``crash:R@S`` raises: an error like any bug's."""
 
 
 def _who(text: str, default_stage: int | None) -> tuple[int, int | None]:
@@ -110,6 +116,8 @@ class FaultInjector:
             print(f"noloco: injected fault: SIGKILL to {who} after step {step}",
                   file=sys.stderr, flush=True)
             os.kill(pid, signal.SIGKILL)
+        elif fault.kind == "crash":
+            raise InjectedCrash(f"injected crash of {who} after step {step}")
         else:
             print(f"noloco: injected fault: SIGSTOP to {who} after step {step} for "
                   f"{fault.seconds:g} s", file=sys.stderr, flush=True)

@@ -44,6 +44,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.config import Config
 from noloco.data import cpu_count
 from noloco.rundir import RunDir
+from noloco.watchdog import heartbeat_key
 
 GRACE_SECONDS = 3.0
 """after the first worker fails: how long the others get to fail (and report) by themselves"""
@@ -92,15 +93,16 @@ class Outcome:
 class Supervisor:
     def __init__(self, cfg: Config, resume: bool, must_resume: bool) -> None:
         self.cfg, self.resume, self.must_resume = cfg, resume, must_resume
+        from noloco.worker import Layout
+
         self.world = cfg.world_size
         self.stages = cfg.method.stages
+        self.describe = Layout(world=self.world, replicas=cfg.method.replicas,
+                               stages=self.stages).describe
         self.out = Path(cfg.train.out)
         self.failures: list[dict[str, Any]] = []
         self.signum: int | None = None
         self.procs: dict[int, subprocess.Popen] = {}
-
-    def describe(self, rank: int) -> str:
-        return f"rank {rank} (replica {rank // self.stages}, stage {rank % self.stages})"
 
     # ---- the run -----------------------------------------------------------------------------
     def run(self) -> int:
@@ -142,10 +144,10 @@ class Supervisor:
                           f"from {where} (restart {attempt + 1} of {restarts})",
                           file=sys.stderr, flush=True)
                     continue
-                self._write_status("failed", outcome, attempt)
-                if outcome.details.get("kind") == "usage":
-                    print(outcome.line, file=sys.stderr, flush=True)
+                if outcome.details.get("kind") == "usage":  # bad input: nothing is written
+                    print(f"noloco: error: {outcome.line}", file=sys.stderr, flush=True)
                     return 2
+                self._write_status("failed", outcome, attempt)
                 keep = (f"newest checkpoint: step {newest}; continue with: noloco train "
                         f"--resume {self.out}" if newest is not None else "no checkpoint")
                 print(f"noloco: error: {outcome.line}; the run stopped at step "
@@ -244,13 +246,15 @@ class Supervisor:
         return None
 
     def _reports(self, attempt: int) -> dict[int, dict[str, Any]]:
+        from noloco.worker import report_key
+
         return {r: rep for r in range(self.world)
-                if (rep := self._read(f"noloco/report/{attempt}/{r}")) is not None}
+                if (rep := self._read(report_key(attempt, r))) is not None}
 
     def _last_step(self, attempt: int, reports: dict[int, dict[str, Any]]) -> int:
         steps = [r.get("step", 0) for r in reports.values()]
         for rank in range(self.world):
-            hb = self._read(f"noloco/hb/{attempt}/{rank}")
+            hb = self._read(heartbeat_key(attempt, rank))
             if hb:
                 steps.append(hb["step"])
         return max(steps, default=0)
@@ -260,45 +264,42 @@ class Supervisor:
         """The cause of a failed attempt, from exit codes and the workers' reports.
 
         Precedence: bad input (exit 2: restarting cannot help); a full disk (likewise); a
-        worker killed by a signal nobody here sent (kill -9, the OOM killer); the rank the
-        survivors' reports blame for not answering (a SIGSTOP, a hang); a worker's own crash;
-        else the first worker noticed failing."""
+        worker killed by a signal nobody here sent (kill -9, the OOM killer); a worker's own
+        error (its report says what); the rank the others' reports blame for not answering
+        (a SIGSTOP, a hang); else the first worker noticed failing."""
         reports = self._reports(attempt)
         step = self._last_step(attempt, reports)
 
         def outcome(rank: int, line: str, restartable: bool, **details: Any) -> Outcome:
             code = dict(failed).get(rank)
             sig = signal.Signals(-code).name if code is not None and code < 0 else None
-            return Outcome("failed", code=1, rank=rank, line=line, signal=sig,
-                           restartable=restartable, last_step=step,
-                           details={"exit_code": code if code and code > 0 else None,
-                                    **details})
+            return Outcome("failed", code=1, rank=rank, line=line.removeprefix(
+                "noloco: error: "), signal=sig, restartable=restartable, last_step=step,
+                details={"exit_code": code if code and code > 0 else None, **details})
 
+        own = sorted((r, rep) for r, rep in reports.items()
+                     if rep["kind"] not in ("comm", "quiet", "interrupted"))
         for kind in ("usage", "disk"):
-            for r, rep in sorted(reports.items()):
+            for r, rep in own:
                 if rep["kind"] == kind:
-                    line = rep["line"] if kind == "usage" else rep["line"].removeprefix(
-                        "noloco: error: ")
-                    return outcome(r, line, False, kind=kind)
+                    return outcome(r, rep["line"], False, kind=kind)
         for r, code in failed:
             if code < 0 and r not in reports:
                 return outcome(r, f"{self.describe(r)} was killed by "
                                f"{signal.Signals(-code).name}", True, kind="signal")
-        blamed = [rep["culprit"] for rep in reports.values() if rep.get("culprit") is not None]
+        for r, rep in own:
+            return outcome(r, rep["line"], rep.get("restartable", True), kind=rep["kind"])
+        blamed = [rep["culprit"] for rep in reports.values()
+                  if rep["kind"] == "comm" and rep.get("culprit") is not None]
         if blamed:
             culprit = max(set(blamed), key=blamed.count)
-            line = next(rep["line"] for rep in reports.values() if rep.get("culprit") == culprit)
-            return outcome(culprit, line.removeprefix("noloco: error: "), True, kind="stall",
-                           stopped=culprit in stopped)
-        for r, rep in sorted(reports.items()):
-            if rep["kind"] not in ("quiet", "comm"):
-                return outcome(r, rep["line"].removeprefix("noloco: error: "),
-                               rep.get("restartable", True), kind=rep["kind"])
+            line = next(rep["line"] for rep in reports.values()
+                        if rep["kind"] == "comm" and rep.get("culprit") == culprit)
+            return outcome(culprit, line, True, kind="stall", stopped=culprit in stopped)
         r, code = failed[0]
         rep = reports.get(r)
-        line = (rep["line"].removeprefix("noloco: error: ") if rep else
-                f"{self.describe(r)} exited with code {code}")
-        return outcome(r, line, True, kind="exit")
+        return outcome(r, rep["line"] if rep else f"{self.describe(r)} exited with code {code}",
+                       True, kind="exit")
 
     def _newest_checkpoint(self) -> int | None:
         steps = ckpt_mod.complete_steps(self.out / "checkpoints", self.world)

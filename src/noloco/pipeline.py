@@ -207,17 +207,6 @@ class PipelineRunner:
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
                    ) -> float | None:
-        # A neighbour already gone makes posting a receive or send fail at once.
-        with posting("pipeline", self._neighbours(), self.watchdog):
-            return self._train_step(inputs, targets, step)
-
-    def _neighbours(self) -> list[int]:
-        lay = self.lay
-        return [lay.global_rank(r, s) for r in range(lay.replicas)
-                for s in (lay.stage - 1, lay.stage + 1) if 0 <= s < lay.stages]
-
-    def _train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
-                    ) -> float | None:
         t0 = time.perf_counter()
         lay, st, M = self.lay, self.stage, self.microbatches
         s, me = lay.stage, lay.replica
@@ -233,17 +222,16 @@ class PipelineRunner:
             if not st.first:
                 src = lay.global_rank(self.router.prev_replica(g, s - 1, me), s - 1)
                 buf = torch.empty(n, t, self.dim)
-                w = dist.irecv(buf, src=src, group=self.group, tag=4 * m + _ACT)
+                w = self._recv(buf, src, 4 * m + _ACT)
                 lw, lbuf = None, None
                 if carry_labels:
                     lbuf = torch.empty(n, t, dtype=torch.int32)
-                    lw = dist.irecv(lbuf, src=src, group=self.group, tag=4 * m + _LABEL)
+                    lw = self._recv(lbuf, src, 4 * m + _LABEL)
                 act_in[m] = (w, buf, lw, lbuf, src)
             if not st.last:
                 src = lay.global_rank(self.router.next_replica(g, s, me), s + 1)
                 buf = torch.empty(n, t, self.dim)
-                grad_in[m] = (dist.irecv(buf, src=src, group=self.group, tag=4 * m + _GRAD),
-                              buf, src)
+                grad_in[m] = (self._recv(buf, src, 4 * m + _GRAD), buf, src)
 
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         total = 0.0
@@ -291,12 +279,8 @@ class PipelineRunner:
         self.step_seconds += time.perf_counter() - t0
         return total if st.last else None
 
-    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
-        with posting("pipeline (evaluation)", self._neighbours(), self.watchdog):
-            return self._eval_loss(batches)
-
     @torch.no_grad()
-    def _eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         """Fixed routing (each replica's own pipeline), one message per batch: stage s works
         on batch b while stage s+1 works on batch b−1. Every worker holds the same validation
         batches, so the labels need not travel."""
@@ -308,7 +292,7 @@ class PipelineRunner:
         if not st.first:
             for b, (x, _) in enumerate(batches):
                 buf = torch.empty(*x.shape, self.dim)
-                ins.append((dist.irecv(buf, src=src, group=self.group, tag=4 * b + _EVAL), buf))
+                ins.append((self._recv(buf, src, 4 * b + _EVAL), buf))
         sends, total = [], 0.0
         for b, (x, y) in enumerate(batches):
             if st.first:
@@ -354,7 +338,12 @@ class PipelineRunner:
         t = t.detach().to("cpu").contiguous()  # kept alive until the send is waited for
         if count:
             self.activation_bytes += t.numel() * t.element_size()
-        return dist.isend(t, dst=dst, group=self.group, tag=tag), t, dst
+        with posting("pipeline send", [dst], self.watchdog):  # a peer gone fails at once
+            return dist.isend(t, dst=dst, group=self.group, tag=tag), t, dst
+
+    def _recv(self, buf: torch.Tensor, src: int, tag: int) -> Any:
+        with posting("pipeline receive", [src], self.watchdog):
+            return dist.irecv(buf, src=src, group=self.group, tag=tag)
 
     def _wait(self, works: list[Any], peer: int, op: str) -> None:
         t0 = time.perf_counter()

@@ -24,6 +24,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from typing import Any
 
 from noloco.config import Config, ConfigError
 
-OWNED_FILES = ("config.json", "metrics.jsonl", "summary.json")
+OWNED_FILES = ("config.json", "metrics.jsonl", "summary.json", "job.json")
 OWNED_DIRS = ("checkpoints", "model")
 TMP_SUFFIX = ".tmp"
 
@@ -96,6 +97,16 @@ class RunDir:
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot read {p}: {e}") from None
 
+    # ---- job.json: which torchrun job last started this run ------------------------------
+    def job(self) -> str | None:
+        try:
+            return json.loads((self.path / "job.json").read_text()).get("torchelastic_run_id")
+        except (OSError, ValueError):
+            return None
+
+    def set_job(self, run_id: str) -> None:
+        write_json_atomic(self.path / "job.json", {"torchelastic_run_id": run_id})
+
     # ---- metrics.jsonl --------------------------------------------------------------------
     def append_metrics(self, rec: dict[str, Any]) -> None:
         append_line(self.metrics_path, json.dumps(_clean(rec)))
@@ -133,12 +144,12 @@ class RunDir:
         self.write_summary(summary)
 
     def remove_stale_tmp(self) -> None:
-        """Delete temporary files a killed writer left (never a complete file)."""
-        for root in (self.path, self.path / "checkpoints", self.path / "model"):
-            if root.is_dir():
-                for f in root.rglob(f"*{TMP_SUFFIX}"):
-                    with contextlib.suppress(OSError):
-                        f.unlink()
+        """Delete the temporary files (:func:`tmp_path`) a killed writer left: never a
+        complete file, and nothing else."""
+        for f in self.path.rglob(f".*{TMP_SUFFIX}"):
+            if _TMP_NAME.match(f.name):
+                with contextlib.suppress(OSError):
+                    f.unlink()
 
 
 def _clean(x: Any) -> Any:
@@ -163,6 +174,9 @@ def fsync_dir(path: Path) -> None:
 
 def tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+
+
+_TMP_NAME = re.compile(r"^\..+\.\d+\.tmp$")
 
 
 @contextlib.contextmanager

@@ -32,6 +32,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
 
+def heartbeat_key(attempt: int, rank: int) -> str:
+    return f"noloco/hb/{attempt}/{rank}"
+
+
 class Watchdog:
     def __init__(self, store: Any, rank: int, attempt: int, describe: Callable[[int], str],
                  stall_warning: float = 30.0, interval: float | None = None,
@@ -73,7 +77,7 @@ class Watchdog:
 
     # ---- the daemon thread -----------------------------------------------------------------
     def _key(self, rank: int) -> str:
-        return f"noloco/hb/{self.attempt}/{rank}"
+        return heartbeat_key(self.attempt, rank)
 
     def _publish(self) -> None:
         w = self._wait

@@ -177,10 +177,18 @@ class LocalRunner:
 
 # ---- process group and store -----------------------------------------------------------------
 
-def attempt_number() -> int:
-    """0 for a first start; k after the k-th restart (ours, or torchrun's)."""
-    return int(os.environ.get("NOLOCO_ATTEMPT") or
-               os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+def attempt_number(store: Any = None, rank: int = 0) -> int:
+    """0 for a first start; k after the k-th restart.
+
+    Our launcher says which (``NOLOCO_ATTEMPT``). Under torchrun every rank number counts its
+    own starts in the store all nodes share: a restart starts every rank number once, so the
+    counts move in lockstep. (``TORCHELASTIC_RESTART_COUNT`` does not: each node's agent
+    counts only its own workers' failures, and a replacement node starts from 0.)"""
+    if os.environ.get("NOLOCO_ATTEMPT") is not None:
+        return int(os.environ["NOLOCO_ATTEMPT"])
+    if store is not None:
+        return store.add(f"noloco/starts/{rank}", 1) - 1
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 @dataclass
@@ -204,11 +212,11 @@ def init_distributed(lay: Layout, timeout_s: float, device: torch.device) -> Dis
     and without the prefix its gloo ranks would read the dead attempt's addresses and fail
     (``connectFullMesh ... Connection refused`` on torch 2.13).
     """
-    attempt = attempt_number()
     if lay.world == 1:
-        return DistContext(attempt=attempt)
+        return DistContext(attempt=attempt_number())
     if dist.is_initialized():  # a caller (a test) built the group already
-        return DistContext(store=dist.distributed_c10d._get_default_store(), attempt=attempt)
+        return DistContext(store=dist.distributed_c10d._get_default_store(),
+                           attempt=attempt_number())
     timeout = timedelta(seconds=timeout_s)
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -222,6 +230,7 @@ def init_distributed(lay: Layout, timeout_s: float, device: torch.device) -> Dis
                              master_listen_fd=sock.detach())
     else:
         base = dist.TCPStore(host, port, lay.world, False, timeout)
+    attempt = attempt_number(base, lay.rank)
     # On GPUs the methods' tensors go through NCCL; the small CPU tensors of metrics and
     # start-up checks through gloo, in the same process group (untested: no GPU here).
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
@@ -595,7 +604,6 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)), lay.local_world)
     ctx = init_distributed(lay, m.comm_timeout, device)
     status.store, status.attempt = ctx.store, ctx.attempt
-    resume = resume or ctx.attempt > 0
     rundir = RunDir(Path(t.out))
     trainer = None
     ok = False
@@ -604,9 +612,10 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
         # directory.
         trainer = Trainer(cfg, lay, device, threads, rundir, ctx, status)
         ready = rundir_ready or os.environ.get("NOLOCO_RUNDIR_READY") == "1"
-        _prepare_rundir(cfg, lay, rundir, resume, ready, trainer.world)
+        resume, required = _prepare_rundir(cfg, lay, rundir, resume, must_resume, ready,
+                                           ctx.attempt, trainer.world)
         if resume:
-            trainer.resume(required=must_resume)
+            trainer.resume(required=required)
         else:
             _check_identical_start(trainer.params, lay, trainer.world)
         status.step = trainer.state.step
@@ -619,28 +628,49 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
         ctx.close()
 
 
-def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool, ready: bool,
-                    world: Communicator) -> None:
-    """Rank 0 of an outside launch (torchrun) creates the run directory; every rank learns
-    whether that worked (else the others would wait for rank 0 until the timeout)."""
+def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool,
+                    must_resume: bool, ready: bool, attempt: int, world: Communicator
+                    ) -> tuple[bool, bool]:
+    """Whether this start resumes (and must find a checkpoint), decided by rank 0 for all.
+
+    Under our launcher (``ready``) the run directory is prepared and the attempt number
+    tells a restart. Under torchrun, rank 0 tells a restart by the job marker: the run
+    directory names the torchrun job (``TORCHELASTIC_RUN_ID``) that started it, and a
+    restart of that job — after a crash, or with a node replaced — finds its own id there and
+    resumes; it never prepares (or, with ``--overwrite``, empties) the directory again. A new
+    job prepares the directory (or, with ``--resume``, continues it) and writes its id.
+    Every rank learns the decision, and whether it failed (else the others would wait for
+    rank 0 until the timeout)."""
     error = None
+    required = must_resume
     if lay.rank == 0:
         try:
-            if not ready and not resume:
-                rundir.prepare(cfg, overwrite=cfg.train.overwrite)
-            elif not ready:
-                rundir.write_config(cfg)
+            run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+            if ready:
+                resume, required = resume or attempt > 0, must_resume and attempt == 0
+            elif run_id is not None and rundir.job() == run_id:
+                resume, required = True, False  # torchrun restarted this job
+            else:
+                if resume:
+                    rundir.write_config(cfg)
+                else:
+                    rundir.prepare(cfg, overwrite=cfg.train.overwrite)
+                if run_id is not None:
+                    rundir.set_job(run_id)
             rundir.remove_stale_tmp()
         except ConfigError as e:
             error = e
         except OSError as e:
             error = ConfigError(os_error_line(e))
     if lay.world > 1:
-        failed = gather_scalars(world, lay, [1.0 if error else 0.0], "max")[0]
+        mine = [float(error is not None), float(resume), float(required)]
+        rows = world.all_gather(torch.tensor(mine, dtype=torch.float64))
+        failed, resume, required = (bool(x) for x in rows[0].tolist())
         if failed and error is None:
             raise QuietExit(2)  # rank 0 says why
     if error is not None:
         raise error
+    return resume, required
 
 
 def _check_identical_start(params: list[torch.Tensor], lay: Layout, world: Communicator
@@ -682,6 +712,7 @@ def _raise_interrupted(signum: int, _frame: Any) -> None:
 
 
 def report_key(attempt: int, rank: int) -> str:
+    """Where a worker that stopped leaves its report (read by the local launcher)."""
     return f"noloco/report/{attempt}/{rank}"
 
 
@@ -727,6 +758,7 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         run(cfg, resume, must_resume, status, rundir_ready)
+        signal.signal(signal.SIGTERM, previous)
         return 0
     except BaseException as e:  # noqa: BLE001 - every ending becomes an exit code
         if isinstance(e, SystemExit):
@@ -742,9 +774,11 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
             print(line, file=sys.stderr, flush=True)
         if not supervised and status.lay.rank == 0 and kind not in ("usage", "quiet"):
             _write_status(status, kind, line, culprit, code)
+        # SIGTERM stays ignored once it came (a checkpoint write may still be finishing on
+        # its thread, joined at exit); otherwise back to what the caller had.
+        if kind != "interrupted":
+            signal.signal(signal.SIGTERM, previous)
         return code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _report(status: WorkerStatus, report: dict[str, Any]) -> None:

@@ -284,6 +284,9 @@ class NoLoCo(Method):
                 dst.copy_(src)
         self.exchanges = int(sd.get("exchanges", self.outer_steps))
         self.last_group = list(sd.get("last_group", []))
-        self.inflight = [
-            InFlight(p, due, payload, Pending(self.comm, [], lambda r=received: r), extra)
-            for p, due, payload, received, extra in sd.get("inflight", [])]
+        dev = self.slow[0].device  # a checkpoint is read into CPU memory
+        self.inflight = []
+        for p, due, payload, received, extra in sd.get("inflight", []):
+            got = [x.to(dev) for x in received]
+            self.inflight.append(InFlight(p, due, payload.to(dev),
+                                          Pending(self.comm, [], lambda r=got: r), extra))

@@ -262,7 +262,8 @@ class StreamingDiLoCo(Method):
                 d.copy_(s)
         self.fragment_syncs = list(sd["fragment_syncs"])
         self.wait_seconds = list(sd.get("wait_seconds", []))
-        self.inflight = [InFlight(p, due, payload.clone(), Pending(self.comm, []))
+        dev = self.params[0].device  # a checkpoint is read into CPU memory
+        self.inflight = [InFlight(p, due, payload.to(dev, copy=True), Pending(self.comm, []))
                          for p, due, payload in sd["inflight"]]
 
 
