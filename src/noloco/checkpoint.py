@@ -95,7 +95,12 @@ def _map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def _raw(t: torch.Tensor) -> Any:
     """A contiguous CPU tensor's bytes as a numpy array (no copy)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return _bytes(t).numpy()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a uint8 tensor (no copy)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _fingerprint(t: torch.Tensor) -> tuple:
@@ -159,7 +164,7 @@ class SnapshotBuffer:
             key = _fingerprint(d)
             for k in buckets.get(key, ()):
                 # Bytes, not values: -0.0 == 0.0, and a stored copy must be bit for bit.
-                if np.array_equal(_raw(unique[k]), _raw(d)):
+                if torch.equal(_bytes(unique[k]), _bytes(d)):
                     index[id(t)] = k
                     return
             buckets.setdefault(key, []).append(len(unique))
