@@ -12,10 +12,12 @@ from noloco.config import MethodConfig
 from noloco.methods.base import Method, Single
 from noloco.methods.ddp import DDP
 from noloco.methods.diloco import DiLoCo
+from noloco.methods.engine import FragmentSchedule, OuterSync
 from noloco.methods.noloco import NoLoCo, groups_at, stability_bounds
-from noloco.methods.streaming import FragmentSchedule, StreamingDiLoCo
+from noloco.methods.streaming import StreamingDiLoCo
 
-__all__ = ["DDP", "DiLoCo", "FragmentSchedule", "Method", "NoLoCo", "Single", "StreamingDiLoCo",
+__all__ = ["DDP", "DiLoCo", "FragmentSchedule", "Method", "NoLoCo", "OuterSync", "Single",
+           "StreamingDiLoCo",
            "build_method", "groups_at", "stability_bounds"]
 
 

@@ -1,37 +1,86 @@
 """DiLoCo (Douillard et al., 2023; SPEC §2).
 
-Every replica starts from the same slow weights φ, takes H inner (AdamW) steps on its own
-data, then all replicas average their fast weights θ and take one outer SGD step on φ with
-the outer gradient g = φ − mean_i(θ_i). Inner optimizer states stay local.
+Every replica starts from the same slow weights φ and takes H inner (AdamW) steps on its own
+data; then all replicas average their fast weights θ (one all-reduce) and every replica takes
+the same outer step on φ with the outer gradient g = φ − mean_i(θ_i):
 
-Paper symbol → argument:
-- H → ``sync_every`` (inner steps between outer steps)
-- outer learning rate (0.7) → ``outer_lr``
-- outer momentum μ (0.9) → ``momentum``; ``nesterov=True`` is the DiLoCo paper's Nesterov
-  SGD, ``nesterov=False`` the heavy-ball form the NoLoCo paper used for its baseline:
-  δ ← μ·δ + lr·(mean θ − φ); φ ← φ + δ.
+    outer SGD with Nesterov momentum (lr 0.7, μ 0.9):  b ← μ·b + g ;  φ ← φ − lr·(g + μ·b)
+    θ ← φ
+
+The outer step is ``torch.optim.SGD(nesterov=True)`` over φ with g in ``φ.grad``; with
+``nesterov=False`` it is the heavy-ball form the NoLoCo paper used for its DiLoCo baseline
+(b ← μ·b + g ; φ ← φ − lr·b). Inner optimizer states stay local. Schedule, overlap, state
+and the rest belong to the engine (:mod:`noloco.methods.engine`); Streaming DiLoCo
+(:mod:`noloco.methods.streaming`) is this class with its fragments, overlap and quantisation
+switched on.
+
+Paper symbol → argument: H → ``sync_every``; outer learning rate → ``outer_lr``; outer
+momentum μ → ``momentum``; Nesterov → ``nesterov``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-from noloco.comm import Communicator, flatten, unflatten_into
-from noloco.methods.base import Method
+from noloco.comm import Communicator
+from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
+
+
+class DiLoCo(OuterSync):
+    name = "diloco"
+
+    def __init__(self, model: ModelLike, comm: Communicator, *, sync_every: int = 100,
+                 outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 **streaming: Any) -> None:
+        if sync_every < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
+        if outer_lr < 0 or momentum < 0:
+            raise ValueError("outer_lr and momentum must be non-negative")
+        self.outer_lr, self.momentum, self.nesterov = outer_lr, momentum, nesterov
+
+        def outer(phi: list[torch.Tensor]) -> torch.optim.Optimizer:
+            return torch.optim.SGD(phi, lr=outer_lr, momentum=momentum,
+                                   nesterov=nesterov and momentum > 0)
+
+        super().__init__(model, comm, sync_every=sync_every, outer_optimizer=outer, **streaming)
+
+    def communicate(self, frag: Fragment, t: int) -> Sync | None:
+        """All replicas average the fragment's fast weights θ — or, quantised, each one's
+        outer gradient φ − θ (a small delta suits a block-scaled 4-bit format; weights would
+        not): every replica decodes the same bytes, so φ stays identical everywhere."""
+        if not frag.params:  # a pipeline stage may hold no block of this fragment
+            return None
+        if self.quantize == "none":
+            payload = frag.fast()
+            pending = self.comm.all_reduce_mean_async(payload)
+        else:
+            payload = frag.slow() - frag.fast()
+            pending = self.comm.all_reduce_mean_quantized_async(payload, self.quantize)
+        return Sync(frag.index, t + self.tau, payload, pending)
+
+    def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
+        """g = φ − mean θ (the all-reduce left its mean in the payload)."""
+        if self.quantize != "none":
+            return sync.payload  # already the mean of φ − θ
+        return frag.slow() - sync.payload
+
+    @property
+    def buf(self) -> list[torch.Tensor]:
+        """The outer momentum, per parameter in model order."""
+        return self.outer_momentum()
 
 
 @torch.no_grad()
 def outer_sgd_(slow: Sequence[torch.Tensor], mean_fast: Sequence[torch.Tensor],
                buf: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> None:
-    """One outer SGD step on φ (``slow``) with outer gradient g = φ − mean θ, in place.
+    """DiLoCo's outer step written out on plain tensors, with g = φ − mean θ: what the outer
+    ``torch.optim.SGD`` computes (a reference for tests, and for code without an optimizer).
 
-    Heavy-ball keeps δ = −lr·(momentum buffer) so that it is literally the NoLoCo update with
-    one group of all replicas (the equivalence NoLoCo's paper states, and our tests check).
-    """
+    Heavy-ball keeps δ = −lr·(momentum buffer) so that it reads as the NoLoCo update with one
+    group of all replicas."""
     for phi, theta, b in zip(slow, mean_fast, buf, strict=True):
         if nesterov:
             g = phi - theta
@@ -40,51 +89,3 @@ def outer_sgd_(slow: Sequence[torch.Tensor], mean_fast: Sequence[torch.Tensor],
         else:
             b.mul_(momentum).add_(lr * (theta - phi))
             phi.add_(b)
-
-
-class DiLoCo(Method):
-    name = "diloco"
-
-    def __init__(self, model: nn.Module | Iterable[torch.Tensor], comm: Communicator, *,
-                 sync_every: int = 100, outer_lr: float = 0.7, momentum: float = 0.9,
-                 nesterov: bool = True) -> None:
-        super().__init__(model, comm)
-        if sync_every < 1:
-            raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
-        if outer_lr < 0 or momentum < 0:
-            raise ValueError("outer_lr and momentum must be non-negative")
-        self.H, self.outer_lr, self.momentum, self.nesterov = (
-            sync_every, outer_lr, momentum, nesterov)
-        # φ in fp32 whatever the training dtype: the outer step adds small deltas.
-        self.slow = [p.detach().clone().float() for p in self.params]
-        self.buf = [torch.zeros_like(s) for s in self.slow]
-
-    @property
-    def sync_every(self) -> int:
-        return self.H
-
-    def after_inner_step(self) -> None:
-        super().after_inner_step()
-        if self.inner_steps % self.H == 0:
-            self.outer_step()
-
-    @torch.no_grad()
-    def outer_step(self) -> None:
-        flat = flatten(self.params, torch.float32)
-        self.comm.all_reduce_mean(flat)
-        mean_fast = [torch.empty_like(s) for s in self.slow]
-        unflatten_into(flat, mean_fast)
-        outer_sgd_(self.slow, mean_fast, self.buf, self.outer_lr, self.momentum, self.nesterov)
-        for p, s in zip(self.params, self.slow, strict=True):
-            p.copy_(s)
-        self.outer_steps += 1
-
-    def state_dict(self) -> dict[str, Any]:
-        sd = super().state_dict()
-        sd.update(slow=self.slow, buf=self.buf)  # live tensors, as torch.optim's state_dict
-        return sd
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        super().load_state_dict(sd)
-        for dst, src in zip(self.slow + self.buf, sd["slow"] + sd["buf"], strict=True):
-            dst.copy_(src)

@@ -1,0 +1,331 @@
+"""The outer-sync engine under DiLoCo, Streaming DiLoCo and NoLoCo.
+
+All three are local SGD with outer steps: every replica takes inner steps on its own fast
+weights θ, and every H inner steps it synchronises them through its slow weights φ. They
+differ in two things only, which each method fills in:
+
+- *how replicas communicate* — :meth:`OuterSync.communicate`: DiLoCo all-reduces over all
+  replicas, NoLoCo exchanges within a small random group;
+- *the outer rule* — :meth:`OuterSync.pseudo_gradient`: the gradient each fragment's outer
+  optimizer steps on (DiLoCo: φ − mean θ; NoLoCo: its pull towards the group).
+
+The engine owns everything else, once:
+
+Fragments and schedule
+    The parameters are cut into P fragments by transformer block (:func:`split_model`).
+    Fragment p synchronises after inner step t when t ≥ t_p and (t − t_p) mod H == 0, with
+    offsets t_p = p·H/P (:class:`FragmentSchedule`), so at most one fragment starts per step.
+Syncs in flight
+    A fragment's communication starts after step t without blocking and is applied after
+    step t + τ, in start order — the order every rank posted them in, which is why no two
+    ranks can disagree on which sync a wait belongs to.
+The outer step and the merge
+    Each fragment keeps φ in fp32 and an outer optimizer over φ — a real ``torch.optim``
+    optimizer (``torch.optim.SGD``: Nesterov for DiLoCo, heavy-ball for NoLoCo), whose
+    ``state_dict`` is what a checkpoint saves. The method's pseudo-gradient goes into
+    ``φ.grad`` and the optimizer steps; then the fragment's fast weights, which took τ more
+    inner steps meanwhile, are merged: θ ← α·θ + (1 − α)·φ (with τ = 0, θ ← φ exactly).
+State
+    φ, the outer optimizers' state, each fragment's sync count and every sync in flight (its
+    result waited for and saved, to be applied on time after a resume).
+
+Paper symbols: H → ``sync_every``; P → ``fragments``; τ → ``overlap_steps``; α (merge) →
+``merge_alpha``; the exchanged values' format → ``quantize``.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from noloco import quant
+from noloco.comm import Communicator, Pending, flatten
+from noloco.methods.base import Method
+from noloco.quant import FORMATS
+from noloco.split import block_index, fragment_parameters
+
+ModelLike = nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def split_model(model: ModelLike, fragments: int = 1, pattern: str = "strided",
+                n_layers: int | None = None) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """The parameters (model order) and, per fragment, the indices of its parameters.
+
+    ``model`` is a module, its ``named_parameters()`` (a pipeline stage passes its own, named
+    as in the whole model) or plain tensors (one fragment only: fragments need names).
+    ``n_layers`` defaults to the highest block index found in the names, plus one.
+    """
+    items = list(model.named_parameters()) if isinstance(model, nn.Module) else list(model)
+    if not items:
+        raise ValueError("the model has no parameters")
+    named = all(isinstance(x, tuple) and len(x) == 2 for x in items)
+    params = [x[1] for x in items] if named else items
+    if fragments < 1:
+        raise ValueError(f"fragments must be >= 1, got {fragments}")
+    if fragments == 1:
+        return params, [list(range(len(params)))]
+    if not named:
+        raise ValueError("fragments > 1 need named parameters (model.named_parameters())")
+    if n_layers is None:
+        blocks = [b for name, _ in items if (b := block_index(name)) is not None]
+        if not blocks:
+            raise ValueError("no transformer blocks (names 'layers.K.') to fragment")
+        n_layers = max(blocks) + 1
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = fragment_parameters(items, n_layers, fragments, pattern)
+    return params, [[index[id(p)] for p in g] for g in groups]
+
+
+@dataclass(frozen=True)
+class FragmentSchedule:
+    """When fragment p's sync starts (after inner step t, counted from 1) and completes."""
+
+    sync_every: int
+    """H"""
+    fragments: int = 1
+    """P"""
+    overlap_steps: int = 0
+    """τ"""
+
+    def __post_init__(self) -> None:
+        H, P, tau = self.sync_every, self.fragments, self.overlap_steps
+        if H < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {H}")
+        if not 1 <= P <= H or H % P:
+            raise ValueError(f"sync_every (H) {H} must be divisible by fragments (P) {P}")
+        if not 0 <= tau < H // P:
+            raise ValueError(f"overlap_steps (tau) must satisfy 0 <= tau < H/P = {H // P}, "
+                             f"got {tau}")
+
+    def offset(self, fragment: int) -> int:
+        """t_p = p·H/P."""
+        return fragment * self.sync_every // self.fragments
+
+    def starting(self, t: int) -> list[int]:
+        """Fragments whose sync starts after inner step ``t``: (t − t_p) mod H == 0, t ≥ t_p."""
+        return [p for p in range(self.fragments)
+                if t >= max(self.offset(p), 1) and (t - self.offset(p)) % self.sync_every == 0]
+
+    def completing(self, t: int) -> list[int]:
+        """Fragments whose sync is applied after inner step ``t`` (started at t − τ)."""
+        return self.starting(t - self.overlap_steps) if t - self.overlap_steps >= 1 else []
+
+
+@dataclass
+class Sync:
+    """One fragment's synchronisation between its start and its application."""
+
+    fragment: int
+    due: int
+    """inner step after which it is applied"""
+    payload: torch.Tensor
+    """what was sent (an all-reduce leaves its mean here)"""
+    pending: Pending
+    extra: Any = None
+    """what the method needs to finish it (NoLoCo: the group)"""
+
+
+class Fragment:
+    """One fragment: its fast weights θ (live parameters), slow weights φ (fp32) and the outer
+    optimizer over φ."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], outer: OuterOptimizer) -> None:
+        self.index, self.params = index, params
+        self.phi = [p.detach().clone().float() for p in params]
+        self.outer = outer(self.phi) if params else None
+        self.syncs = 0
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def fast(self) -> torch.Tensor:
+        """θ of the fragment, flat, fp32."""
+        return flatten(self.params, torch.float32)
+
+    def slow(self) -> torch.Tensor:
+        """φ of the fragment, flat."""
+        return flatten(self.phi)
+
+
+class OuterSync(Method, ABC):
+    """The engine (see the module docstring). Subclasses implement :meth:`communicate` and
+    :meth:`pseudo_gradient`, and name in ``extra_state`` the attributes of their own that a
+    checkpoint must hold (numbers, lists; lists of tensors are copied into on load)."""
+
+    extra_state: tuple[str, ...] = ()
+
+    def __init__(self, model: ModelLike, comm: Communicator, *, sync_every: int,
+                 outer_optimizer: OuterOptimizer, fragments: int = 1,
+                 fragment_pattern: str = "strided", overlap_steps: int = 0,
+                 merge_alpha: float = 0.5, quantize: str = "none",
+                 n_layers: int | None = None) -> None:
+        params, frag_index = split_model(model, fragments, fragment_pattern, n_layers)
+        super().__init__(params, comm)
+        self.schedule = FragmentSchedule(sync_every, fragments, overlap_steps)
+        if not 0.0 <= merge_alpha <= 1.0:
+            raise ValueError(f"merge_alpha must lie in [0, 1], got {merge_alpha}")
+        if quantize not in FORMATS:
+            raise ValueError(f"unknown quantisation format {quantize!r}; expected one of "
+                             f"{FORMATS}")
+        self.H, self.P, self.tau = sync_every, fragments, overlap_steps
+        self.merge_alpha, self.quantize = merge_alpha, quantize
+        self.fragment_index = frag_index
+        self.frags = [Fragment(k, [params[i] for i in idx], outer_optimizer)
+                      for k, idx in enumerate(frag_index)]
+        self.phi: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        """φ of every parameter, in model order (the fragments' tensors)"""
+        self.frag_of = [0] * len(params)
+        """the fragment of every parameter"""
+        for frag, idx in zip(self.frags, frag_index, strict=True):
+            for i, phi in zip(idx, frag.phi, strict=True):
+                self.phi[i], self.frag_of[i] = phi, frag.index
+        self.inflight: list[Sync] = []
+        self.wait_seconds: list[float] = []
+        """seconds blocked in each sync's wait, in application order"""
+
+    # ---- what a method fills in -------------------------------------------------------------
+    @abstractmethod
+    def communicate(self, frag: Fragment, t: int) -> Sync | None:
+        """Start fragment ``frag``'s communication after inner step ``t`` (due at t + τ);
+        None when this worker holds none of it (a pipeline stage)."""
+
+    @abstractmethod
+    def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
+        """The flat gradient the fragment's outer optimizer steps on, from the finished
+        ``sync`` (``received``: what its wait returned)."""
+
+    # ---- the schedule --------------------------------------------------------------------------
+    @property
+    def sync_every(self) -> int:
+        return self.H
+
+    @property
+    def slow(self) -> list[torch.Tensor]:
+        """φ, per parameter in model order."""
+        return self.phi
+
+    @property
+    def fragment_syncs(self) -> list[int]:
+        return [f.syncs for f in self.frags]
+
+    def fragment_numel(self) -> list[int]:
+        return [f.numel() for f in self.frags]
+
+    def after_inner_step(self) -> None:
+        super().after_inner_step()
+        t = self.inner_steps
+        self._apply_due(t)
+        for p in self.schedule.starting(t):
+            sync = self.communicate(self.frags[p], t)
+            if sync is not None:
+                self.inflight.append(sync)
+        self._apply_due(t)  # τ = 0: a sync started now is applied now
+
+    def finish(self) -> None:
+        """Wait for and apply every sync still in flight (the run's last τ steps)."""
+        self._apply_due(None)
+
+    def _apply_due(self, t: int | None) -> None:
+        # In start order: the order every rank posted its operations in.
+        while self.inflight and (t is None or self.inflight[0].due <= t):
+            self._apply(self.inflight.pop(0))
+
+    @torch.no_grad()
+    def _apply(self, sync: Sync) -> None:
+        t0 = time.perf_counter()
+        received = sync.pending.wait()
+        self.wait_seconds.append(time.perf_counter() - t0)
+        frag = self.frags[sync.fragment]
+        grad = self.pseudo_gradient(frag, sync, received)
+        offset = 0
+        for phi in frag.phi:
+            phi.grad = grad[offset: offset + phi.numel()].view_as(phi)
+            offset += phi.numel()
+        frag.outer.step()
+        for phi in frag.phi:
+            phi.grad = None
+        merge(frag.params, frag.phi, self.merge_alpha if self.tau > 0 else 0.0)
+        frag.syncs += 1
+        self.outer_steps += 1
+
+    # ---- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """φ, the outer optimizers' state, sync counts, and every sync in flight: completed
+        here (waited for: every rank reaches the same step, so they wait together) and saved
+        with what it received, to be applied on time. Tensors are the live ones (as
+        ``torch.optim``'s): copy them to keep a snapshot."""
+        sd = super().state_dict()
+        sd.update(
+            phi=[f.phi for f in self.frags],
+            outer=[f.outer.state_dict() if f.outer else None for f in self.frags],
+            syncs=[f.syncs for f in self.frags], wait_seconds=list(self.wait_seconds),
+            inflight=[(s.fragment, s.due, s.payload, s.pending.wait(), s.extra)
+                      for s in self.inflight],
+            extra={k: getattr(self, k) for k in self.extra_state})
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict(sd)
+        for frag, phi, outer, syncs in zip(self.frags, sd["phi"], sd["outer"], sd["syncs"],
+                                            strict=True):
+            for dst, src in zip(frag.phi, phi, strict=True):
+                dst.copy_(src)
+            if frag.outer is not None:
+                frag.outer.load_state_dict(outer)
+            frag.syncs = int(syncs)
+        self.wait_seconds = list(sd["wait_seconds"])
+        for k, v in sd["extra"].items():
+            mine = getattr(self, k)
+            if isinstance(mine, list) and mine and isinstance(mine[0], torch.Tensor):
+                for dst, src in zip(mine, v, strict=True):
+                    dst.copy_(src)
+            else:
+                setattr(self, k, v)
+        dev = self.params[0].device  # a checkpoint is read into CPU memory
+        self.inflight = []
+        for p, due, payload, received, extra in sd["inflight"]:
+            got = [x.to(dev) for x in received] if isinstance(received, list) else received
+            self.inflight.append(Sync(p, due, payload.to(dev, copy=True),
+                                      Pending(self.comm, [], lambda r=got: r), extra))
+
+    def outer_momentum(self) -> list[torch.Tensor]:
+        """Each parameter's outer momentum buffer, in model order (zeros before the first
+        outer step, and without momentum)."""
+        out = []
+        for phi, k in zip(self.phi, self.frag_of, strict=True):
+            buf = self.frags[k].outer.state.get(phi, {}).get("momentum_buffer")
+            out.append(buf if buf is not None else torch.zeros_like(phi))
+        return out
+
+    def report(self) -> dict[str, Any]:
+        """Extra fields for the run's summary.json."""
+        return {"fragments": self.P, "fragment_numel": self.fragment_numel(),
+                "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
+                "quantize": self.quantize}
+
+
+def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The wire bytes of ``x`` in a quantised format (:mod:`noloco.quant`)."""
+    return quant.to_bytes(quant.quantize(x, fmt))
+
+
+def decode(buf: torch.Tensor, n: int, fmt: str) -> torch.Tensor:
+    """Inverse of :func:`encode` for ``n`` values."""
+    return quant.dequantize(quant.from_bytes(buf, n, fmt))
+
+
+@torch.no_grad()
+def merge(fast: Sequence[torch.Tensor], synced: Sequence[torch.Tensor], alpha: float) -> None:
+    """θ ← α·θ + (1 − α)·θ̃ in place (α = 0: θ ← θ̃ exactly)."""
+    for p, s in zip(fast, synced, strict=True):
+        if alpha == 0.0:
+            p.copy_(s)
+        else:
+            p.copy_(alpha * p.float() + (1 - alpha) * s)
