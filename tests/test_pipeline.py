@@ -82,8 +82,8 @@ def _cfg(replicas: int, stages: int, routing: str, microbatches: int) -> Config:
 
 
 def _runner(cfg: Config):
+    from noloco.distributed import Layout
     from noloco.pipeline import PipelineRunner
-    from noloco.worker import Layout
 
     lay = Layout.from_env(cfg.method.replicas, cfg.method.stages)
     model = build(ARGS, seed=0)
@@ -237,7 +237,7 @@ def test_two_stages_equal_one_stage_and_random_routing_with_one_replica_equals_f
     steps = 4
     res = _run_ranks(_one_replica_two_stages, 2, steps)
 
-    from noloco.worker import LocalRunner
+    from noloco.train import LocalRunner
     model = build(ARGS, seed=0)
     params = list(model.parameters())
     ref_losses, ref_grads, _ = _train(LocalRunner(model), params, steps)
@@ -399,6 +399,6 @@ def test_world_size_that_is_not_replicas_times_stages_is_a_one_line_error(
     err = capsys.readouterr().err
     assert err == ("noloco: error: world size 3 does not match --replicas 2 x --stages 2 "
                    "= 4 workers\n")
-    from noloco.worker import Layout
+    from noloco.distributed import Layout
     with pytest.raises(ConfigError):
         Layout.from_env(2, 2)

@@ -164,8 +164,8 @@ def _preflight_resume(cfg: Config) -> None:
 def _preflight(cfg: Config, resuming: bool) -> None:
     """Catch bad input before any worker starts or anything is written."""
     from noloco.data import ShardedReader, load_corpus, make_tokenizer
+    from noloco.distributed import check_device
     from noloco.rundir import RunDir
-    from noloco.worker import check_device
 
     check_device(cfg.train.device, cfg.world_size)
     RunDir(Path(cfg.train.out)).check(overwrite=cfg.train.overwrite or resuming)

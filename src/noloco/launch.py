@@ -93,7 +93,7 @@ class Outcome:
 class Supervisor:
     def __init__(self, cfg: Config, resume: bool, must_resume: bool) -> None:
         self.cfg, self.resume, self.must_resume = cfg, resume, must_resume
-        from noloco.worker import Layout
+        from noloco.distributed import Layout
 
         self.world = cfg.world_size
         self.stages = cfg.method.stages

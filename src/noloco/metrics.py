@@ -156,3 +156,62 @@ class Progress:
             "method", "replicas", "stages", "steps", "final_val_loss", "bytes_sent_per_replica",
             "sync_seconds", "compute_utilisation", "weight_spread", "wall_seconds")}),
             flush=True)
+
+
+def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
+    """summary.json of a completed run (:class:`noloco.train.Trainer` at its end, ``rec`` its
+    final evaluation). Collective: every worker calls it."""
+    from noloco import checkpoint as ckpt_mod
+
+    cfg, lay, st, t = trainer.cfg, trainer.lay, trainer.state, trainer.cfg.train
+    m = cfg.method
+    train_s = trainer.loop_seconds() - st.eval_s
+    stats = gather_scalars(trainer.world, lay, [st.compute_s, train_s])
+    tps = trainer.tokens_per_step
+    summary = {
+        "status": "completed",
+        "method": m.method,
+        "replicas": lay.replicas,
+        "stages": lay.stages,
+        "steps": t.steps,
+        "outer_steps": trainer.method.outer_steps,
+        "sync_every": trainer.method.sync_every,
+        "group_size": m.group_size if m.method == "noloco" else None,
+        "params": trainer.n_params_total,
+        "param_bytes": trainer.param_bytes if lay.stages == 1 else None,
+        "tokens_per_replica": t.steps * tps,
+        "final_val_loss": rec["val_loss"],
+        "final_val_loss_per_replica": rec["val_loss_per_replica"],
+        "bytes_sent_per_replica": rec["bytes_sent_per_replica"],
+        "bytes_sent": rec["bytes_sent"],
+        # The most bytes any one worker sent in one inner step (max over all ranks).
+        "peak_step_bytes": int(gather_scalars(trainer.world, lay, [st.peak_step_bytes],
+                                              "max")[0]),
+        "activation_bytes": rec["activation_bytes"],
+        "sync_seconds": rec["sync_seconds"],
+        "compute_seconds": stats[0],
+        "step_seconds": stats[0] / t.steps,
+        "train_seconds": stats[1],
+        "compute_utilisation": stats[0] / stats[1] if stats[1] > 0 else None,
+        "wall_seconds": trainer.wall_seconds(),
+        "weight_spread": rec["weight_spread"],
+        "tokens_per_second": t.steps * tps * lay.replicas / max(stats[1], 1e-9),
+        "threads_per_worker": trainer.threads,
+        "device": str(trainer.device),
+        "torch": torch.__version__,
+        "resumed_from_step": trainer.resumed_from,
+        "attempt": trainer.ctx.attempt,
+        "model_dir": ckpt_mod.MODEL_DIR,
+    }
+    if lay.stages > 1:
+        summary["param_bytes"] = sum(gather_scalars(trainer.world, lay, [trainer.param_bytes],
+                                                    "stage_sum"))
+    ck = trainer.ckpt.report()
+    ck["checkpoint_blocked_seconds"] = gather_scalars(
+        trainer.world, lay, [ck["checkpoint_blocked_seconds"]])[0]
+    summary.update(ck)
+    if hasattr(trainer.runner, "report"):
+        summary.update(trainer.runner.report())
+    if hasattr(trainer.method, "report"):
+        summary.update(trainer.method.report())
+    return summary

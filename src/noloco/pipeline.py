@@ -162,7 +162,7 @@ def build_stage(model: Transformer, stages: int, stage: int, prune: bool = True)
 
 
 class PipelineRunner:
-    """This worker's stage: the same interface as :class:`noloco.worker.LocalRunner`.
+    """This worker's stage: the same interface as :class:`noloco.train.LocalRunner`.
 
     ``train_step`` runs forward and backward of the whole step's batch through the pipeline
     and leaves the gradients in this stage's parameters; the last stage returns the mean loss

@@ -1,0 +1,169 @@
+"""A worker's place in the job: its layout, its device and threads, its process group.
+
+Layout of the N·P workers (N replicas × P pipeline stages): global rank = replica·P + stage,
+so the P stages of one replica are neighbours (one machine each under ``torchrun
+--nproc-per-node P``). Each stage has its own group of N replicas; outer steps run inside it.
+
+Two communicators per worker, never mixed (:func:`make_comms`):
+- the *training* communicator of this stage's replicas, handed to the method; its bytes and
+  blocked seconds are what a run reports;
+- the *metrics* communicator over the whole world, used only to check the start-up weights,
+  agree on a checkpoint, gather evaluation losses and measure weight spread.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from noloco import data as data_mod
+from noloco.comm import Communicator, NullCommunicator, TorchCommunicator
+from noloco.config import Config, ConfigError
+
+
+@dataclass
+class Layout:
+    rank: int = 0
+    world: int = 1
+    local_world: int = 1
+    replica: int = 0
+    stage: int = 0
+    replicas: int = 1
+    stages: int = 1
+
+    @classmethod
+    def from_env(cls, replicas: int, stages: int) -> Layout:
+        rank = int(os.environ.get("RANK", 0))
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world != replicas * stages:
+            raise ConfigError(f"world size {world} does not match --replicas {replicas} x "
+                              f"--stages {stages} = {replicas * stages} workers")
+        return cls(rank=rank, world=world,
+                   local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                   replica=rank // stages, stage=rank % stages, replicas=replicas,
+                   stages=stages)
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        return [r * self.stages + stage for r in range(self.replicas)]
+
+    def global_rank(self, replica: int, stage: int) -> int:
+        return replica * self.stages + stage
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} (replica {rank // self.stages}, stage {rank % self.stages})"
+
+
+def limit_threads(local_world: int) -> int:
+    """cores ÷ local workers (at least 1): N workers on a few cores must not oversubscribe."""
+    n = max(1, data_mod.cpu_count() // max(local_world, 1))
+    torch.set_num_threads(n)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process
+        pass
+    return n
+
+
+def cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_device(spec: str, local_world: int) -> None:
+    """ConfigError if ``--device cuda`` cannot be honoured (one GPU per local worker)."""
+    n = cuda_devices()
+    if spec == "cuda" and n < local_world:
+        raise ConfigError(f"--device cuda needs one GPU per local worker: {local_world} "
+                          f"workers, {n} GPUs visible")
+
+
+def pick_device(spec: str, local_rank: int, local_world: int = 1) -> torch.device:
+    """GPU when asked for (or ``auto`` and there are enough: one GPU per local worker, as
+    NCCL requires), else CPU."""
+    check_device(spec, local_world)
+    n = cuda_devices()
+    if spec == "cuda" or (spec == "auto" and n >= local_world and n > 0):
+        torch.cuda.set_device(local_rank % n)
+        return torch.device("cuda", local_rank % n)
+    return torch.device("cpu")
+
+
+# ---- process group and store -----------------------------------------------------------------
+
+def attempt_number(store: Any = None, rank: int = 0) -> int:
+    """0 for a first start; k after the k-th restart.
+
+    Our launcher says which (``NOLOCO_ATTEMPT``). Under torchrun every rank number counts its
+    own starts in the store all nodes share: a restart starts every rank number once, so the
+    counts move in lockstep. (``TORCHELASTIC_RESTART_COUNT`` does not: each node's agent
+    counts only its own workers' failures, and a replacement node starts from 0.)"""
+    if os.environ.get("NOLOCO_ATTEMPT") is not None:
+        return int(os.environ["NOLOCO_ATTEMPT"])
+    if store is not None:
+        return store.add(f"noloco/starts/{rank}", 1) - 1
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
+@dataclass
+class DistContext:
+    store: Any = None
+    """the run's key-value store (heartbeats, checkpoint receipts, failure reports)"""
+    attempt: int = 0
+    owns_group: bool = False
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_distributed(lay: Layout, timeout_s: float, device: torch.device) -> DistContext:
+    """Join the process group of this attempt.
+
+    The store is torchrun's (or our launcher's) agent store when the environment says so,
+    else rank 0 hosts it, listening on MASTER_ADDR only. The process group is built on a
+    prefix of the store named after the attempt: a restarted attempt reuses the same store,
+    and without the prefix its gloo ranks would read the dead attempt's addresses and fail
+    (``connectFullMesh ... Connection refused`` on torch 2.13).
+    """
+    if lay.world == 1:
+        return DistContext(attempt=attempt_number())
+    if dist.is_initialized():  # a caller (a test) built the group already
+        return DistContext(store=dist.distributed_c10d._get_default_store(),
+                           attempt=attempt_number())
+    timeout = timedelta(seconds=timeout_s)
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        base = dist.TCPStore(host, port, lay.world, False, timeout)
+    elif lay.rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((socket.gethostbyname(host), port))
+        sock.listen(1024)
+        base = dist.TCPStore(host, port, lay.world, True, timeout, wait_for_workers=False,
+                             master_listen_fd=sock.detach())
+    else:
+        base = dist.TCPStore(host, port, lay.world, False, timeout)
+    attempt = attempt_number(base, lay.rank)
+    # On GPUs the methods' tensors go through NCCL; the small CPU tensors of metrics and
+    # start-up checks through gloo, in the same process group (untested: no GPU here).
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"noloco/attempt-{attempt}", base),
+                            rank=lay.rank, world_size=lay.world, timeout=timeout)
+    return DistContext(store=base, attempt=attempt, owns_group=True)
+
+
+def make_comms(cfg: Config, lay: Layout) -> tuple[Communicator, Communicator]:
+    if lay.world == 1:
+        return NullCommunicator(), NullCommunicator()
+    timeout = cfg.method.comm_timeout
+    world = TorchCommunicator(list(range(lay.world)), group=dist.group.WORLD)
+    # Every rank creates every stage group in the same order (new_group is world-collective).
+    stage_groups = [TorchCommunicator(lay.stage_ranks(s), timeout=timeout)
+                    for s in range(lay.stages)]
+    mine = stage_groups[lay.stage] if lay.replicas > 1 else NullCommunicator()
+    return mine, world

@@ -1,0 +1,366 @@
+"""The training loop of one worker, and what a checkpoint of it holds.
+
+Per inner step: forward/backward → the method's gradient sync → clip → AdamW → the method's
+outer step (if due) → evaluate (if due) → checkpoint (if due). A checkpoint holds everything
+the next step depends on, so a resumed run is bit-identical to one that never stopped (on
+the same machine and thread count).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from noloco import checkpoint as ckpt_mod
+from noloco import data as data_mod
+from noloco.comm import Communicator, flatten, unflatten_into
+from noloco.config import Config, ConfigError
+from noloco.distributed import DistContext, Layout, make_comms
+from noloco.faults import FaultInjector, parse_faults
+from noloco.methods import build_method
+from noloco.metrics import Progress, gather_metrics, gather_scalars, run_summary
+from noloco.model import build, count_params, lm_loss, preset
+from noloco.rundir import RunDir
+from noloco.watchdog import Watchdog
+
+AVERAGED_METHODS = ("diloco", "noloco", "streaming")
+"""methods whose replicas end with different weights: their mean is saved as a model too"""
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, floor_ratio: float = 0.1) -> float:
+    """Linear warm-up to ``peak``, then cosine decay to ``peak·floor_ratio`` at ``total``
+    (and that floor after it)."""
+    if warmup > 0 and step < warmup:
+        return peak * (step + 1) / warmup
+    span = max(total - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def weights_checksum(params: list[torch.Tensor]) -> int:
+    crc = 0
+    for p in params:
+        crc = zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
+class LocalRunner:
+    """One stage holds the whole model: forward and backward in this process."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.activation_bytes = 0
+        self.watchdog = None
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.model.named_parameters())
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
+                   ) -> float | None:
+        loss = lm_loss(self.model(inputs), targets)
+        loss.backward()
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
+        self.model.eval()
+        total = sum(lm_loss(self.model(x), y).item() for x, y in batches)
+        self.model.train()
+        return total / len(batches)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"activation_bytes": self.activation_bytes}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.activation_bytes = sd["activation_bytes"]
+
+
+@dataclass
+class LoopState:
+    """The run's own counters: checkpointed, so a resumed run reports as if it never stopped."""
+
+    step: int = 0
+    compute_s: float = 0.0
+    eval_s: float = 0.0
+    peak_step_bytes: int = 0
+    last_train: list[float] = field(default_factory=list)
+    """training losses since the last evaluation"""
+    metric_lines: int = 0
+    """lines of metrics.jsonl written so far (rank 0)"""
+    last_eval_step: int = -1
+    loop_s: float = 0.0
+    """wall seconds in the training loop so far"""
+    wall_s: float = 0.0
+    """wall seconds of the run so far, start-up included"""
+
+
+class Trainer:
+    """One worker's training: the pieces, the loop, and what a checkpoint holds."""
+
+    def __init__(self, cfg: Config, lay: Layout, device: torch.device, threads: int,
+                 rundir: RunDir, ctx: DistContext, status: Any) -> None:
+        m, d, o, t = cfg.method, cfg.data, cfg.optim, cfg.train
+        self.cfg, self.lay, self.device, self.threads = cfg, lay, device, threads
+        self.rundir, self.ctx = rundir, ctx
+        self.status = status
+        """the worker's :class:`noloco.worker.WorkerStatus`: the loop keeps its step current"""
+        self.t_start = time.perf_counter()
+        tokenizer = data_mod.make_tokenizer(d.tokenizer)
+        corpus = data_mod.load_corpus(d.data, tokenizer, d.seq_len, d.max_tokens,
+                                      allow_binary=d.allow_binary)
+        self.reader = data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, lay.replica,
+                                             lay.replicas, seed=t.seed)
+        self.val = [(x.to(device), y.to(device)) for x, y in data_mod.validation_batches(
+            corpus.val, d.seq_len, d.batch_size, t.eval_batches)]
+        self.tokenizer_name = tokenizer.name
+        self.args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
+                           dropout=cfg.model.dropout)
+        model = build(self.args, device=device, seed=t.seed)
+        self.n_params_total = count_params(model)
+        self.comm, self.world = make_comms(cfg, lay)
+        if lay.stages > 1:
+            from noloco.pipeline import PipelineRunner
+            self.runner: Any = PipelineRunner(model, cfg, lay, device)
+        else:
+            self.runner = LocalRunner(model)
+        self.params = self.runner.parameters()
+        # Named parameters let streaming methods cut fragments by block (global block names).
+        self.method = build_method(m, self.runner.named_parameters(), self.comm, seed=t.seed,
+                                   n_layers=self.args.n_layers)
+        self.inner = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),
+                                       weight_decay=o.weight_decay)
+        torch.manual_seed(t.seed * 1009 + lay.rank)  # dropout differs per worker, on purpose
+        self.watchdog = None
+        if ctx.store is not None:
+            self.watchdog = Watchdog(ctx.store, lay.rank, ctx.attempt, lay.describe,
+                                     m.stall_warning).start()
+            for c in (self.comm, self.world, self.runner):
+                c.watchdog = self.watchdog
+        self.ckpt = ckpt_mod.Checkpointer(
+            rundir.path / "checkpoints", lay.rank, lay.world, cfg.math_hash(),
+            t.checkpoint_every, t.keep_checkpoints, store=ctx.store)
+        self.state = LoopState()
+        self.resumed_from: int | None = None
+        self.t_loop = time.perf_counter()
+        self.tokens_per_step = d.batch_size * d.seq_len
+        self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def capture(self) -> dict[str, Any]:
+        """Everything the next inner step depends on (live tensors: the checkpointer copies)."""
+        return {
+            "format": ckpt_mod.FORMAT, "step": self.state.step, "rank": self.lay.rank,
+            "config_hash": self.cfg.math_hash(),
+            "model": dict(self.runner.named_parameters()),
+            "optimizer": self.inner.state_dict(),
+            "method": self.method.state_dict(),
+            "reader": self.reader.state_dict(),
+            "rng": ckpt_mod.rng_state(),
+            "comm": self.comm.state_dict(),
+            "runner": self.runner.state_dict(),
+            "loop": {**asdict(self.state), "loop_s": self.loop_seconds(),
+                     "wall_s": self.wall_seconds()},
+        }
+
+    def loop_seconds(self) -> float:
+        """Wall seconds in the training loop, earlier processes of this run included."""
+        return self.state.loop_s + time.perf_counter() - self.t_loop
+
+    def wall_seconds(self) -> float:
+        return self.state.wall_s + time.perf_counter() - self.t_start
+
+    @torch.no_grad()
+    def restore(self, sd: dict[str, Any]) -> None:
+        named = dict(self.runner.named_parameters())
+        if set(named) != set(sd["model"]):
+            raise ConfigError("the checkpoint holds other parameters than this model")
+        for name, p in named.items():
+            p.copy_(sd["model"][name])
+        self.inner.load_state_dict(sd["optimizer"])
+        self.method.load_state_dict(sd["method"])
+        self.reader.load_state_dict(sd["reader"])
+        ckpt_mod.set_rng_state(sd["rng"])
+        self.comm.load_state_dict(sd["comm"])
+        self.runner.load_state_dict(sd["runner"])
+        self.state = LoopState(**sd["loop"])
+
+    def resume(self, required: bool) -> None:
+        """Continue from the newest checkpoint every worker holds whole (collective)."""
+        root = self.rundir.path / "checkpoints"
+
+        def gather(x: int) -> list[int]:
+            if self.lay.world == 1:
+                return [x]
+            return [int(v) for v in self.world.all_gather(torch.tensor([x]))]
+
+        def report(msg: str) -> None:
+            print(f"noloco: {self.lay.describe(self.lay.rank)}: {msg}", file=sys.stderr,
+                  flush=True)
+
+        step, sd = ckpt_mod.agree_on_step(root, self.lay.rank, self.cfg.math_hash(), gather,
+                                          report)
+        if step is None:
+            if required:
+                raise ConfigError(f"no complete checkpoint in {root} to resume from")
+            if self.lay.rank == 0:
+                self.rundir.truncate_metrics(0)  # a restart before any checkpoint: anew
+            return
+        if step >= self.cfg.train.steps and required:
+            raise ConfigError(f"the run in {self.rundir.path} already reached step {step}: "
+                              f"pass --steps above it to train further")
+        self.restore(sd)
+        self.resumed_from = step
+        if self.lay.rank == 0:
+            self.rundir.truncate_metrics(self.state.metric_lines)
+            print(f"noloco: resuming from {root.name}/{ckpt_mod.step_dir(root, step).name} "
+                  f"(step {step})", file=sys.stderr, flush=True)
+
+    # ---- evaluation -------------------------------------------------------------------------
+    def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
+        e0 = time.perf_counter()
+        st = self.state
+        mine = self.runner.eval_loss(self.val)
+        train_loss = sum(st.last_train) / len(st.last_train) if st.last_train else float("nan")
+        rec = gather_metrics(self.lay, self.world, self.comm, mine, train_loss, self.params,
+                             self.runner)
+        rec.update(step=step, tokens=step * self.tokens_per_step * self.lay.replicas,
+                   tokens_per_replica=step * self.tokens_per_step,
+                   wall_seconds=self.loop_seconds())
+        if self.lay.rank == 0:
+            self.rundir.append_metrics(rec)
+            log.eval_line(rec)
+        st.metric_lines += 1
+        st.last_eval_step = step
+        st.last_train.clear()
+        st.eval_s += time.perf_counter() - e0
+        return rec
+
+    # ---- training -----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any] | None:
+        cfg, lay, st = self.cfg, self.lay, self.state
+        o, t = cfg.optim, cfg.train
+        faults = FaultInjector(parse_faults(t.inject_fault, lay.replicas, lay.stages),
+                               lay.replica, lay.stage, lay.rank,
+                               once=self.ctx.attempt == 0 and self.resumed_from is None)
+        log = Progress(enabled=lay.rank == 0, total=t.steps, log_every=t.log_every,
+                       start=st.step)
+        if lay.rank == 0:
+            self.rundir.write_summary({"status": "running", "last_step": st.step,
+                                       "attempt": self.ctx.attempt,
+                                       "resumed_from_step": self.resumed_from})
+        self.t_loop = time.perf_counter()
+        comm, method, inner, runner = self.comm, self.method, self.inner, self.runner
+        if self.resumed_from is None:
+            self.evaluate(0, log)
+        elif (st.step % t.eval_every == 0 and st.last_eval_step != st.step
+              and st.step < t.steps):
+            # The checkpoint was the last step of its run, where the regular evaluation gives
+            # way to the final one (after any sync in flight lands): do it now, as an
+            # uninterrupted run would have.
+            self.evaluate(st.step, log)
+        for step in range(st.step, t.steps):
+            s0 = time.perf_counter()
+            lr = lr_at(step, o.lr, o.warmup, o.schedule_steps)
+            for g in inner.param_groups:
+                g["lr"] = lr
+            inputs, targets = self.reader.next_batch()
+            loss = runner.train_step(inputs.to(self.device), targets.to(self.device), step)
+            sync0, bytes0 = comm.sync_seconds, comm.bytes_sent
+            method.sync_gradients()
+            if o.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip)
+            inner.step()
+            inner.zero_grad(set_to_none=True)
+            faults.pace(time.perf_counter() - s0)
+            c1, blocked = time.perf_counter(), comm.sync_seconds - sync0
+            st.step = self.status.step = step + 1
+            if self.watchdog is not None:
+                self.watchdog.step = st.step
+            method.after_inner_step()
+            st.peak_step_bytes = max(st.peak_step_bytes, comm.bytes_sent - bytes0)
+            # Inner-step compute excludes the seconds blocked in the method's communication
+            # before c1; blocking inside after_inner_step (outer steps) lies outside (c1 - s0).
+            st.compute_s += (c1 - s0) - blocked
+            if loss is not None:
+                st.last_train.append(loss)
+            log.step(st.step, loss, self.tokens_per_step * lay.replicas)
+            last = st.step == t.steps
+            if st.step % t.eval_every == 0 and not last:
+                self.evaluate(st.step, log)
+            if self.ckpt.due(st.step) or (last and self.ckpt.every > 0):
+                self.ckpt.save(st.step, self.capture())
+            self.ckpt.poll()
+            faults.after_step(st.step)
+        w0 = time.perf_counter()
+        self.ckpt.wait()  # the last checkpoint is on disk before the run says it completed
+        self.ckpt.final_wait_seconds = time.perf_counter() - w0
+        method.finish()
+        rec = self.evaluate(t.steps, log)
+        log.close()
+        self.save_final_weights()  # ends with a barrier: every checkpoint write is done
+        self.ckpt.prune()
+        summary = run_summary(self, rec)
+        if lay.rank == 0:
+            self.rundir.write_summary(summary)
+            log.final(summary)
+            return summary
+        return None
+
+    @torch.no_grad()
+    def save_final_weights(self) -> None:
+        """``model/``: every replica's weights and, for the local-SGD methods, their mean
+        (stages write their own shards). Collective."""
+        lay, cfg = self.lay, self.cfg
+        model_dir = self.rundir.path / ckpt_mod.MODEL_DIR
+        named = self.runner.named_parameters()
+        meta = {"step": str(self.state.step), "method": cfg.method.method}
+        ckpt_mod.save_weights(
+            model_dir / ckpt_mod.shard_name(f"replica-{lay.replica}", lay.stage, lay.stages),
+            dict(named), meta)
+        names = [f"replica-{r}" for r in range(lay.replicas)]
+        if lay.replicas > 1 and cfg.method.method in AVERAGED_METHODS:
+            flat = flatten([p for _, p in named], torch.float32)
+            with self.comm.uncounted():  # an export, not training traffic
+                self.comm.all_reduce_mean(flat)
+            if lay.replica == 0:
+                avg = [torch.empty_like(p, dtype=torch.float32) for _, p in named]
+                unflatten_into(flat, avg)
+                ckpt_mod.save_weights(
+                    model_dir / ckpt_mod.shard_name("average", lay.stage, lay.stages),
+                    {n: a for (n, _), a in zip(named, avg, strict=True)}, meta)
+            names.append("average")
+        gather_scalars(self.world, lay, [0.0])  # every shard is on disk before the index
+        if lay.rank == 0:
+            ckpt_mod.write_model_index(self.rundir.path, self.args, names, lay.stages, {
+                "tokenizer": cfg.data.tokenizer, "tokenizer_name": self.tokenizer_name,
+                "preset": cfg.model.preset, "step": self.state.step,
+                "method": cfg.method.method})
+
+    def close(self, ok: bool) -> None:
+        try:
+            self.ckpt.close(wait=ok)
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.stop()
+
+
+def check_identical_start(params: list[torch.Tensor], lay: Layout, world: Communicator
+                           ) -> None:
+    """All replicas of a stage must start from bit-identical weights (SPEC §3)."""
+    if lay.world == 1:
+        return
+    mine = torch.tensor([weights_checksum(params)], dtype=torch.int64)
+    sums = world.all_gather(mine)
+    for s in range(lay.stages):
+        vals = {int(sums[r].item()) for r in lay.stage_ranks(s)}
+        if len(vals) != 1:
+            raise RuntimeError(f"replicas of stage {s} start from different weights")
