@@ -179,13 +179,18 @@ class Communicator(ABC):
         """Start gathering; ``wait()`` returns the list of every rank's tensor."""
 
     # ---- point to point ------------------------------------------------------------------
-    def exchange(self, tensor: torch.Tensor, peers: Sequence[int]) -> list[torch.Tensor]:
+    def exchange(self, tensor: torch.Tensor, peers: Sequence[int],
+                 out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Send ``tensor`` to every peer and receive each peer's tensor of the same shape."""
-        return self.exchange_async(tensor, peers).wait()
+        return self.exchange_async(tensor, peers, out).wait()
 
     @abstractmethod
-    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
-        """Start an exchange; ``wait()`` returns the peers' tensors in ``peers`` order."""
+    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
+                       out: Sequence[torch.Tensor] | None = None) -> Pending:
+        """Start an exchange; ``wait()`` returns the peers' tensors in ``peers`` order —
+        received into ``out`` (one tensor per peer, like ``tensor``) when given: a caller
+        that exchanges the same payload again and again keeps its receive buffers, instead
+        of page-faulting fresh ones every time."""
 
 
 
@@ -215,7 +220,8 @@ class NullCommunicator(Communicator):
         _check_quantizable(tensor, fmt, block_size)
         return Pending(self, [])
 
-    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
+    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
+                       out: Sequence[torch.Tensor] | None = None) -> Pending:
         if peers:
             raise ValueError("a single rank has no peers to exchange with")
         self.ops["exchange"] += 1
@@ -288,11 +294,16 @@ class TorchCommunicator(Communicator):
             work = dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True)
         return Pending(self, [work], lambda: out, "all_gather", self.ranks)
 
-    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int]) -> Pending:
+    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
+                       out: Sequence[torch.Tensor] | None = None) -> Pending:
         self._drain()
         self.ops["exchange"] += 1
         tensor = tensor.contiguous()
-        bufs = [torch.empty_like(tensor) for _ in peers]
+        bufs = list(out) if out is not None else [torch.empty_like(tensor) for _ in peers]
+        if any(b.shape != tensor.shape or b.dtype != tensor.dtype or not b.is_contiguous()
+               for b in bufs):
+            raise ValueError("exchange: every receive buffer must be contiguous and shaped "
+                             "like the tensor sent")
         recvs, sends = [], []
         for peer, buf in zip(peers, bufs, strict=True):
             if not 0 <= peer < self.size or peer == self.rank:

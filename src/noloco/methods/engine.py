@@ -133,25 +133,52 @@ class Sync:
 
 
 class Fragment:
-    """One fragment: its fast weights θ (live parameters), slow weights φ (fp32) and the outer
-    optimizer over φ."""
+    """One fragment: its fast weights θ (the live parameters), slow weights φ and the outer
+    optimizer over φ.
+
+    φ is one flat fp32 tensor (``flat_phi``; ``phi`` holds a view per parameter), so the outer
+    step is one optimizer step over one tensor, and sending or comparing φ needs no copy.
+    The flat copy of θ that is sent and the receive buffers are allocated once and reused:
+    a fragment has at most one sync in flight (τ < H/P), applied before its next one starts.
+    """
 
     def __init__(self, index: int, params: list[torch.Tensor], outer: OuterOptimizer) -> None:
         self.index, self.params = index, params
-        self.phi = [p.detach().clone().float() for p in params]
-        self.outer = outer(self.phi) if params else None
+        self.flat_phi = flatten(params, torch.float32)
+        self.phi = _views(self.flat_phi, params)
+        self.outer = outer([self.flat_phi]) if params else None
         self.syncs = 0
+        self._send = torch.empty_like(self.flat_phi)
+        self._recv: list[torch.Tensor] = []
 
     def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
+        return self.flat_phi.numel()
 
     def fast(self) -> torch.Tensor:
-        """θ of the fragment, flat, fp32."""
-        return flatten(self.params, torch.float32)
+        """θ of the fragment, flat, fp32 (into the fragment's send buffer)."""
+        for view, p in zip(_views(self._send, self.params), self.params, strict=True):
+            view.copy_(p.detach())
+        return self._send
 
     def slow(self) -> torch.Tensor:
-        """φ of the fragment, flat."""
-        return flatten(self.phi)
+        """φ of the fragment, flat (the tensor itself: read it, do not change it)."""
+        return self.flat_phi
+
+    def receive_buffers(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """``count`` buffers shaped like ``like``, kept from one exchange to the next."""
+        if len(self._recv) != count or any(
+                b.shape != like.shape or b.dtype != like.dtype for b in self._recv):
+            self._recv = [torch.empty_like(like) for _ in range(count)]
+        return self._recv
+
+
+def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of consecutive slices of ``flat`` shaped like each of ``like``."""
+    out, offset = [], 0
+    for t in like:
+        out.append(flat[offset: offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return out
 
 
 class OuterSync(Method, ABC):
@@ -243,14 +270,9 @@ class OuterSync(Method, ABC):
         received = sync.pending.wait()
         self.wait_seconds.append(time.perf_counter() - t0)
         frag = self.frags[sync.fragment]
-        grad = self.pseudo_gradient(frag, sync, received)
-        offset = 0
-        for phi in frag.phi:
-            phi.grad = grad[offset: offset + phi.numel()].view_as(phi)
-            offset += phi.numel()
+        frag.flat_phi.grad = self.pseudo_gradient(frag, sync, received)
         frag.outer.step()
-        for phi in frag.phi:
-            phi.grad = None
+        frag.flat_phi.grad = None
         merge(frag.params, frag.phi, self.merge_alpha if self.tau > 0 else 0.0)
         frag.syncs += 1
         self.outer_steps += 1
@@ -263,7 +285,7 @@ class OuterSync(Method, ABC):
         ``torch.optim``'s): copy them to keep a snapshot."""
         sd = super().state_dict()
         sd.update(
-            phi=[f.phi for f in self.frags],
+            phi=[f.flat_phi for f in self.frags],
             outer=[f.outer.state_dict() if f.outer else None for f in self.frags],
             syncs=[f.syncs for f in self.frags], wait_seconds=list(self.wait_seconds),
             inflight=[(s.fragment, s.due, s.payload, s.pending.wait(), s.extra)
@@ -275,8 +297,7 @@ class OuterSync(Method, ABC):
         super().load_state_dict(sd)
         for frag, phi, outer, syncs in zip(self.frags, sd["phi"], sd["outer"], sd["syncs"],
                                             strict=True):
-            for dst, src in zip(frag.phi, phi, strict=True):
-                dst.copy_(src)
+            frag.flat_phi.copy_(phi)
             if frag.outer is not None:
                 frag.outer.load_state_dict(outer)
             frag.syncs = int(syncs)
@@ -298,10 +319,16 @@ class OuterSync(Method, ABC):
     def outer_momentum(self) -> list[torch.Tensor]:
         """Each parameter's outer momentum buffer, in model order (zeros before the first
         outer step, and without momentum)."""
+        per_frag = []
+        for f in self.frags:
+            buf = f.outer.state.get(f.flat_phi, {}).get("momentum_buffer") if f.outer else None
+            per_frag.append(_views(buf if buf is not None else torch.zeros_like(f.flat_phi),
+                                   f.params))
+        taken = [0] * len(self.frags)
         out = []
-        for phi, k in zip(self.phi, self.frag_of, strict=True):
-            buf = self.frags[k].outer.state.get(phi, {}).get("momentum_buffer")
-            out.append(buf if buf is not None else torch.zeros_like(phi))
+        for k in self.frag_of:
+            out.append(per_frag[k][taken[k]])
+            taken[k] += 1
         return out
 
     def report(self) -> dict[str, Any]:

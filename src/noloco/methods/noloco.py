@@ -110,8 +110,9 @@ class NoLoCo(OuterSync):
         else:
             payload = torch.cat([fast, slow]) if self.exchanges_slow_weights else fast
         peers = [r for r in group if r != self.comm.rank]
-        return Sync(frag.index, t + self.tau, payload, self.comm.exchange_async(payload, peers),
-                    extra=(group, peers, fast.numel()))
+        pending = self.comm.exchange_async(payload, peers,
+                                           frag.receive_buffers(payload, len(peers)))
+        return Sync(frag.index, t + self.tau, payload, pending, extra=(group, peers, fast.numel()))
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
         """g = γ·(φ_i − mean_G φ) − β·mean_G Δ, every mean summed in group order so every
