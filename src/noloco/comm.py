@@ -247,9 +247,13 @@ class TorchCommunicator(Communicator):
     The phases run on one helper thread per communicator (the decode-sum-encode between them
     is computation, which gloo cannot chain), so the caller keeps computing while they
     progress; the caller's thread only encodes phase 1 (where a NaN raises at once).
-    Protocol invariant: the helper thread and the caller must never issue collectives on the
-    group at the same moment, or ranks could enqueue them in different orders and deadlock;
-    every other operation of this class therefore first waits for any helper job in flight.
+    Protocol invariant: while a helper job runs, no other collective may be issued in this
+    process — on this group or on any other (the metrics world group, another stage's group).
+    Ranks must issue the collectives of every communicator in the same order, or they pair
+    the wrong operations and deadlock; NCCL even requires one order across its communicators.
+    A helper job's timing differs from rank to rank, so only "nothing else meanwhile" is the
+    same everywhere. Every operation of every TorchCommunicator therefore first waits for the
+    helper jobs of all of them (:func:`_drain_helpers`), by construction.
     """
 
     def __init__(self, ranks: Sequence[int] | None = None, group: Any = None,
@@ -268,7 +272,6 @@ class TorchCommunicator(Communicator):
         self.size = len(self.ranks)
         self.rank = self.ranks.index(me) if me in self.ranks else -1
         self._helper: _HelperThread | None = None
-        self._jobs: list[Future] = []
 
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
         self._drain()
@@ -358,7 +361,7 @@ class TorchCommunicator(Communicator):
         if self._helper is None:
             self._helper = _HelperThread(f"noloco-comm-{id(self):x}")
         fut = self._helper.submit(phases)
-        self._jobs.append(fut)
+        _HELPER_JOBS.append(fut)
 
         def finish() -> None:
             tensor.copy_(fut.result()[:n])
@@ -366,14 +369,26 @@ class TorchCommunicator(Communicator):
         return Pending(self, [_FutureWork(fut)], finish, "all_reduce_quantized", self.ranks)
 
     def _drain(self) -> None:
-        """Wait (as blocked time) until no helper-thread job can touch the group."""
-        jobs, self._jobs = [f for f in self._jobs if not f.done()], []
-        if jobs:
-            t0 = time.perf_counter()
-            # A failure is raised by the job's own Pending.wait().
-            wait_works([_FutureWork(f, raise_errors=False) for f in jobs],
-                       "all_reduce_quantized", self.ranks, self.watchdog)
+        """Wait (as blocked time) until no helper job of any communicator can issue a
+        collective (the protocol invariant in the class docstring)."""
+        t0 = time.perf_counter()
+        if _drain_helpers(self.watchdog, self.ranks):
             self.sync_seconds += time.perf_counter() - t0
+
+
+_HELPER_JOBS: list[Future] = []
+"""helper-thread jobs of every TorchCommunicator of this process, oldest first"""
+
+
+def _drain_helpers(watchdog: Any, ranks: Sequence[int]) -> bool:
+    """Wait for every helper job in flight; True if there was one. A failure is raised by
+    its own Pending.wait(), not here."""
+    jobs = [f for f in _HELPER_JOBS if not f.done()]
+    _HELPER_JOBS.clear()
+    if jobs:
+        wait_works([_FutureWork(f, raise_errors=False) for f in jobs], "all_reduce_quantized",
+                   ranks, watchdog)
+    return bool(jobs)
 
 
 def quantized_chunk_numel(numel: int, size: int, block_size: int = quant.DEFAULT_BLOCK_SIZE

@@ -35,6 +35,11 @@ tag, so matching never depends on the order in which two workers post their oper
 only waits are for data that an earlier operation of the (acyclic) 1F1B schedule produces.
 The messages use a dedicated gloo group over all ranks, created in :class:`PipelineRunner`'s
 constructor, which every rank calls at the same point (``new_group`` is world-collective).
+
+On a GPU (untested here: no GPU in this project's machines) the messages are staged through
+host memory, since the group is gloo: each send copies to the host and so waits for the
+device; the microbatches' losses stay on the device until the end of the step, one
+synchronisation per step rather than one per microbatch.
 """
 
 from __future__ import annotations
@@ -234,8 +239,7 @@ class PipelineRunner:
                 grad_in[m] = (self._recv(buf, src, 4 * m + _GRAD), buf, src)
 
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        total = 0.0
-        self.slot_losses = []
+        losses: list[tuple[torch.Tensor, float]] = []  # on the device: one sync per step
         for op, m in self.schedule:
             g = step * M + m
             if op == "F":
@@ -252,8 +256,7 @@ class PipelineRunner:
                     weight = xs[m].shape[0] / self.batch_size
                     loss = lm_loss(out, labels)
                     (loss * weight).backward()
-                    self.slot_losses.append(loss.item())
-                    total += self.slot_losses[-1] * weight
+                    losses.append((loss.detach(), weight))
                     if x is not None:  # P ≥ 2 here: the last stage is never the first
                         dst = lay.global_rank(self.router.prev_replica(g, s - 1, me), s - 1)
                         sends.append(self._send(x.grad, dst, 4 * m + _GRAD))
@@ -277,7 +280,10 @@ class PipelineRunner:
             self._wait([w], dst, "pipeline send")
         self.steps += 1
         self.step_seconds += time.perf_counter() - t0
-        return total if st.last else None
+        if not st.last:
+            return None
+        self.slot_losses = torch.stack([x for x, _ in losses]).tolist() if losses else []
+        return sum(v * w for v, (_, w) in zip(self.slot_losses, losses, strict=True))
 
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
