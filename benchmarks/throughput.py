@@ -123,16 +123,16 @@ def bare_worker(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def noloco_worker(a: argparse.Namespace) -> dict[str, Any]:
-    from noloco import cli, worker
+    from noloco import cli, metrics
 
     marks: list[tuple[float, float]] = []
-    step = worker.Progress.step
+    step = metrics.Progress.step
 
     def timed_step(self: Any, *args: Any, **kw: Any) -> None:
         _mark(marks)
         step(self, *args, **kw)
 
-    worker.Progress.step = timed_step
+    metrics.Progress.step = timed_step
     rc = cli.main(noloco_argv(a, Path(a.run_dir)))
     if rc:
         raise SystemExit(rc)

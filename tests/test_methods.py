@@ -77,6 +77,47 @@ def test_ddp_equals_one_process_with_n_times_batch():
         torch.testing.assert_close(results[0][opt_kind], flat_params(model), atol=1e-5, rtol=0)
 
 
+def _ddp_buckets_rank(rank: int, world: int, steps: int) -> dict:
+    model = build(ARGS, seed=0)
+    comm = TorchCommunicator()
+    method = DDP(model, comm, bucket_mb=0.002)  # ~2 KiB buckets: many of them
+    opt = make_opt("adamw", model.parameters())
+    started_in_backward = []
+    for step in range(steps):
+        tok = batch(rank, step)
+        lm_loss(model(tok[:, :-1]), tok[:, 1:]).backward()
+        started_in_backward.append(len(method._pending))  # launched by the hooks already
+        method.sync_gradients()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        method.after_inner_step()
+    return {"params": flat_params(model), "buckets": len(method.buckets),
+            "started": started_in_backward, "ops": dict(comm.ops), "bytes": comm.bytes_sent}
+
+
+@pytest.mark.timeout(120)
+def test_ddp_buckets_overlap_backward_and_still_equal_one_big_batch():
+    world, steps = 2, 3
+    res = run_ranks(_ddp_buckets_rank, world, steps)
+    model = build(ARGS, seed=0)
+    opt = make_opt("adamw", model.parameters())
+    for step in range(steps):
+        tok = torch.cat([batch(r, step) for r in range(world)])
+        lm_loss(model(tok[:, :-1]), tok[:, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    n_buckets = res[0]["buckets"]
+    assert n_buckets > 3
+    for r in res:
+        assert torch.equal(r["params"], res[0]["params"])
+        torch.testing.assert_close(r["params"], flat_params(model), atol=1e-5, rtol=0)
+        # Every bucket whose gradients were all ready started during backward.
+        assert all(s == n_buckets for s in r["started"]), r["started"]
+        assert r["ops"] == {"all_reduce": steps * n_buckets}
+
+
 # ---- NoLoCo with one group of everyone equals DiLoCo with heavy-ball momentum ----------------
 
 def _noloco_vs_diloco_rank(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -47,7 +47,8 @@ def build_method(cfg: MethodConfig,
     if cfg.method == "single":
         return Single(model, comm)
     if cfg.method == "ddp":
-        return DDP(model, comm)
+        # A pipeline stage runs backward once per microbatch: no overlap with it.
+        return DDP(model, comm, overlap=cfg.stages == 1)
     if cfg.method == "diloco":
         return DiLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       momentum=cfg.outer_momentum, nesterov=cfg.nesterov)

@@ -1,8 +1,23 @@
 """Synchronous data parallel (SPEC §1), the baseline every claim is measured against.
 
-After every backward pass the gradients of all N replicas are averaged (one all-reduce of
-the flattened gradients, S bytes, per inner step), so every replica takes the same optimizer
-step and the replicas never drift apart.
+After every backward pass the gradients of all N replicas are averaged (S bytes of all-reduce
+per inner step), so every replica takes the same optimizer step and the replicas never drift
+apart. It is done the way ``torch.nn.parallel.DistributedDataParallel`` does it, so that the
+baseline is not handicapped:
+
+- gradients go into buckets of about ``bucket_mb`` MiB (the first 1 MiB, to start early),
+  filled in reverse parameter order — roughly the order the backward pass produces them;
+- a bucket's all-reduce starts as soon as its last gradient has been accumulated (a
+  post-accumulate-grad hook), overlapping with the rest of the backward pass, and
+  :meth:`DDP.sync_gradients` only waits for what is still in flight;
+- the buckets' flat buffers are allocated once and reused.
+
+Invariant: buckets are started in one fixed order on every rank — a ready bucket waits for
+the ones before it — because collectives must be issued in the same order everywhere, and
+the order in which gradients become ready may differ between ranks. The overlap assumes
+one backward pass per optimizer step: with more (a pipeline stage runs one per microbatch;
+gradient accumulation) pass ``overlap=False``, which starts every bucket in
+:meth:`DDP.sync_gradients`.
 """
 
 from __future__ import annotations
@@ -12,25 +27,77 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from noloco.comm import Communicator, flatten, unflatten_into
+from noloco.comm import Communicator, Pending
 from noloco.methods.base import Method
+
+FIRST_BUCKET_MB = 1.0
 
 
 class DDP(Method):
     name = "ddp"
 
-    def __init__(self, model: nn.Module | Iterable[torch.Tensor], comm: Communicator) -> None:
+    def __init__(self, model: nn.Module | Iterable[torch.Tensor], comm: Communicator,
+                 bucket_mb: float = 25.0, overlap: bool = True) -> None:
         super().__init__(model, comm)
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self.buckets: list[list[int]] = []
+        size, cap = 0, min(FIRST_BUCKET_MB, bucket_mb) * 2**20
+        for i in reversed(range(len(self.params))):
+            nbytes = self.params[i].numel() * 4
+            if self.buckets and size + nbytes <= cap:
+                self.buckets[-1].append(i)
+                size += nbytes
+            else:
+                if self.buckets:
+                    cap = bucket_mb * 2**20
+                self.buckets.append([i])
+                size = nbytes
+        self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
+        dev = self.params[0].device
+        self.flat = [torch.zeros(sum(self.params[i].numel() for i in b), device=dev)
+                     for b in self.buckets]
+        self._missing = [len(b) for b in self.buckets]
+        self._pending: list[Pending] = []
+        if overlap and comm.size > 1:
+            for i, p in enumerate(self.params):
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
 
+    def _ready(self, i: int) -> None:
+        k = self.bucket_of[i]
+        self._missing[k] -= 1
+        while len(self._pending) < len(self.buckets) and self._missing[len(self._pending)] == 0:
+            self._start(len(self._pending))
+
+    @torch.no_grad()
+    def _start(self, k: int) -> None:
+        offset = 0
+        for i in self.buckets[k]:
+            p, view = self.params[i], self.flat[k][offset: offset + self.params[i].numel()]
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        self._pending.append(self.comm.all_reduce_mean_async(self.flat[k]))
+
+    @torch.no_grad()
     def sync_gradients(self) -> None:
         if self.comm.size == 1:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        # One bucket for the whole model: every rank flattens in the same parameter order,
-        # so slice k means the same parameter everywhere.
-        flat = flatten(grads, torch.float32)
-        self.comm.all_reduce_mean(flat)
-        for p, g in zip(self.params, grads, strict=True):
-            if p.grad is None:
-                p.grad = g
-        unflatten_into(flat, [p.grad for p in self.params])
+        for k in range(len(self._pending), len(self.buckets)):
+            self._start(k)  # in bucket order, whatever was not started during backward
+        for k, pending in enumerate(self._pending):
+            pending.wait()
+            offset = 0
+            for i in self.buckets[k]:
+                p = self.params[i]
+                mean = self.flat[k][offset: offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = mean.to(p.dtype, copy=True)
+                else:
+                    p.grad.copy_(mean)
+                offset += p.numel()
+        self._pending.clear()
+        self._missing = [len(b) for b in self.buckets]
