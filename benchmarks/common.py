@@ -191,3 +191,36 @@ def out_paths(name: str, out_dir: str | Path | None, quick: bool) -> tuple[Path,
         d = Path(tempfile.gettempdir()) / "noloco-bench" if quick else RESULTS
     stem = f"{name}_quick" if quick else name
     return d / f"{stem}.json", d / f"{stem}.png"
+
+
+def run_noloco_timed(args: Sequence[str], out: Path) -> tuple[list[float], dict[str, Any]]:
+    """``python -m noloco train ARGS --log-every 1 --out OUT``, with the arrival time of every
+    progress line ("step N/S | ..."): the seconds between consecutive inner steps, as seen from
+    outside, and the run's summary.json."""
+    import re
+    import threading
+
+    cmd = [sys.executable, "-m", "noloco", "train", *args, "--log-every", "1",
+           "--out", str(out), "--overwrite"]
+    marks: list[float] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
+    reader.start()
+    for line in proc.stdout:
+        if re.match(r"^step +\d+/", line):
+            marks.append(time.perf_counter())
+    reader.join()
+    if proc.wait():
+        raise RuntimeError(f"the noloco run failed ({shlex.join(cmd)}):\n" + "".join(err[-30:]))
+    summary = json.loads((Path(out) / "summary.json").read_text())
+    return [b - c for c, b in zip(marks, marks[1:], strict=False)], summary
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

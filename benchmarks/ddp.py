@@ -30,12 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -110,7 +108,7 @@ def torch_rank(a: argparse.Namespace) -> None:
 def run_torch(a: argparse.Namespace, tmp: Path) -> list[float]:
     from noloco.launch import loopback_interface
 
-    port, result = _free_port(), tmp / "torch.json"
+    port, result = common.free_port(), tmp / "torch.json"
     env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(),
                OMP_NUM_THREADS=str(max(1, common.cores() // a.replicas)))
     procs = [subprocess.Popen(
@@ -127,36 +125,12 @@ def run_torch(a: argparse.Namespace, tmp: Path) -> list[float]:
 # ---- noloco's DDP ------------------------------------------------------------------------------
 
 def run_noloco(a: argparse.Namespace, tmp: Path) -> tuple[list[float], dict[str, Any]]:
-    out = tmp / "noloco"
-    cmd = [sys.executable, "-m", "noloco", "train", "--method", "ddp",
-           "--replicas", str(a.replicas), "--preset", a.preset, "--data", a.data,
-           "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-           "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", "0",
-           "--weight-decay", "0", "--grad-clip", "1.0", "--eval-every", str(a.steps),
-           "--eval-batches", "1", "--checkpoint-every", "0", "--log-every", "1",
-           "--device", "cpu", "--seed", "0", "--out", str(out), "--overwrite"]
-    marks: list[float] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            bufsize=1)
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
-    reader.start()
-    for line in proc.stdout:  # "step N/S | ..." after every step, on arrival
-        if re.match(r"^step +\d+/", line):
-            marks.append(time.perf_counter())
-    reader.join()
-    if proc.wait():
-        raise RuntimeError("the noloco run failed:\n" + "".join(err[-30:]))
-    s = json.loads((out / "summary.json").read_text())
-    return [b - c for c, b in zip(marks, marks[1:], strict=False)], s
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return common.run_noloco_timed(
+        ["--method", "ddp", "--replicas", str(a.replicas), "--preset", a.preset,
+         "--data", a.data, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+         "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", "0", "--weight-decay", "0",
+         "--grad-clip", "1.0", "--eval-every", str(a.steps), "--eval-batches", "1",
+         "--checkpoint-every", "0", "--device", "cpu", "--seed", "0"], tmp / "noloco")
 
 
 # ---- the driver ----------------------------------------------------------------------------

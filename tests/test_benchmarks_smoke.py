@@ -6,6 +6,7 @@ Timing numbers are never asserted here (performance claims live in benchmarks/re
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,3 +91,45 @@ def test_checkpoint_quick_writes_a_record(tmp_path: Path) -> None:
     assert r["resumed_from_step"] in (0, 5)  # 0 if the kill beat the first write
     assert r["steps_lost"] == 7 - r["resumed_from_step"]
     assert 0 < r["kill_to_training_again_seconds"] < 120
+
+
+@pytest.mark.timeout(120)
+def test_ddp_quick_writes_a_record(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "ddp.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "ddp_quick.json").read_text())["results"]
+    assert len(res["runs"]["noloco"]) == len(res["runs"]["torch"]) == 1
+    # 8 all-reduces of 2·(N−1)/N of the model's fp32 bytes (N = 2: the whole model).
+    nl = res["runs"]["noloco"][0]
+    assert nl["bytes_sent_per_replica"] > 0 and res["ratio_noloco_over_torch"] > 0
+
+
+def test_vs_torchft_without_torchft_is_one_line_exit_2(tmp_path: Path) -> None:
+    hide = tmp_path / "torchft"
+    hide.mkdir()
+    (hide / "__init__.py").write_text("raise ImportError('hidden for this test')\n")
+    proc = subprocess.run([sys.executable, str(BENCH / "vs_torchft.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "vs_torchft: torchft is not installed (pip install -e '.[bench]')"]
+    assert not (tmp_path / "vs_torchft_quick.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_vs_torchft_quick_agrees_with_torchft(tmp_path: Path) -> None:
+    pytest.importorskip("torchft", reason="torchft is a benchmark-only extra (.[bench])")
+    proc = subprocess.run([sys.executable, str(BENCH / "vs_torchft.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=290)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "vs_torchft_quick.json").read_text())["results"]
+    assert res["diloco"]["numerics"]["agree"] and res["streaming"]["numerics"]["agree"]
+    assert res["diloco_init_sync"]["numerics"]["replica1_first_steps_discarded"]
+    assert not res["diloco_init_sync"]["numerics"]["agree"]
+    for case in ("diloco", "streaming"):
+        assert (res[case]["noloco"]["bytes_sent_per_replica"]
+                == res[case]["torchft"]["bytes_sent_per_replica"])

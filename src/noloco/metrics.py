@@ -1,8 +1,9 @@
 """Run-level numbers: evaluation gathering, weight spread, scalars over workers, progress lines.
 
-Everything here runs on the *metrics* communicator (the whole world), never on a method's
-training communicator, so a run's reported training bytes and blocked seconds stay exactly
-what the method sent and waited for.
+Everything here runs on the *metrics* communicator (the whole world) — except the weight
+spread with pipeline stages, which averages each stage over its replicas on the method's stage
+group inside ``uncounted()`` — so a run's reported training bytes and blocked seconds stay
+exactly what the method sent and waited for.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: 
         "bytes_sent_by_replica": per_replica_bytes,
         "activation_bytes": mean(act),
         "sync_seconds": mean(per_replica_sync),
-        "weight_spread": weight_spread(params, lay, world),
+        "weight_spread": weight_spread(params, lay, world, comm),
     }
 
 
@@ -57,33 +58,31 @@ def mean(xs: list[float]) -> float:
 
 
 @torch.no_grad()
-def weight_spread(params: list[torch.Tensor], lay: Any, world: Communicator) -> float:
-    """sqrt( Σ_params (p − mean over replicas)² / (#params · N) ), all stages together."""
+def weight_spread(params: list[torch.Tensor], lay: Any, world: Communicator,
+                  stage_comm: Communicator | None = None) -> float:
+    """sqrt( Σ_params (p − mean over replicas)² / (#params · N) ), all stages together.
+
+    Two reductions instead of gathering every replica's weights: the mean over replicas of
+    each parameter, then the squared deviations summed — 2·S per rank and O(S) memory
+    whatever N, which matters on slow links and for large models. With stages, each stage's
+    mean is taken over that stage's replicas (``stage_comm``, the method's stage group, used
+    with its accounting left untouched), then the scalars are summed over the world."""
     if lay.replicas == 1:
         return 0.0
     flat = flatten(params, torch.float64)
+    avg = flat.clone()
     if lay.stages == 1:
-        # Two all-reduces (the mean, then the squared deviations) instead of gathering every
-        # replica's weights: 2·S per rank whatever N, which matters on slow links.
-        avg = flat.clone()
         world.all_reduce_mean(avg)
-        sq_t = torch.tensor([((flat - avg) ** 2).sum().item()], dtype=torch.float64)
-        world.all_reduce_mean(sq_t)
-        sq = sq_t.item() * lay.world
-        n = flat.numel()
     else:
-        # Stages hold different parameters: gather per stage through the world, padded.
-        size = torch.tensor([flat.numel()], dtype=torch.int64)
-        sizes = [int(s) for s in world.all_gather(size)]
-        pad = torch.zeros(max(sizes), dtype=torch.float64)
-        pad[: flat.numel()] = flat
-        allp = world.all_gather(pad)
-        sq, n = 0.0, 0
-        for s in range(lay.stages):
-            ranks = lay.stage_ranks(s)
-            st = torch.stack([allp[r][: sizes[r]] for r in ranks])
-            sq += ((st - st.mean(0)) ** 2).sum().item()
-            n += sizes[ranks[0]]
+        if stage_comm is None:
+            raise ValueError("weight_spread with stages needs the stage group")
+        with stage_comm.uncounted():
+            stage_comm.all_reduce_mean(avg)
+    mine = torch.tensor([((flat - avg) ** 2).sum().item(), float(flat.numel())],
+                        dtype=torch.float64)
+    rows = torch.stack(world.all_gather(mine))
+    sq = float(rows[:, 0].sum())
+    n = sum(float(rows[lay.global_rank(0, s), 1]) for s in range(lay.stages))
     return math.sqrt(sq / (n * lay.replicas))
 
 
@@ -158,6 +157,14 @@ class Progress:
             flush=True)
 
 
+def _peak_rss_bytes() -> float:
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)
+
+
 def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
     """summary.json of a completed run (:class:`noloco.train.Trainer` at its end, ``rec`` its
     final evaluation). Collective: every worker calls it."""
@@ -197,6 +204,8 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "weight_spread": rec["weight_spread"],
         "tokens_per_second": t.steps * tps * lay.replicas / max(stats[1], 1e-9),
         "threads_per_worker": trainer.threads,
+        # The largest resident set of any worker over the run (Linux reports kB).
+        "peak_rss_bytes": int(gather_scalars(trainer.world, lay, [_peak_rss_bytes()], "max")[0]),
         "device": str(trainer.device),
         "torch": torch.__version__,
         "resumed_from_step": trainer.resumed_from,

@@ -192,6 +192,13 @@ class PipelineRunner:
         # point-to-point operations never applies.
         self.group = dist.new_group(list(range(lay.world)), backend="gloo",
                                     timeout=timedelta(seconds=m.comm_timeout))
+        # The groups of each replica's stages, for the gradient norm (created by every rank in
+        # the same order, like the group above). Gloo for the same reason.
+        replica_groups = [dist.new_group([lay.global_rank(r, s) for s in range(lay.stages)],
+                                         backend="gloo",
+                                         timeout=timedelta(seconds=m.comm_timeout))
+                          for r in range(lay.replicas)]
+        self.replica_group = replica_groups[lay.replica]
         self.watchdog: Any = None
         """names the peer stage a stalled receive waits for (see noloco.watchdog)"""
         self.activation_bytes = 0
@@ -209,6 +216,27 @@ class PipelineRunner:
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.stage.named_parameters())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the gradients of this replica's whole model (all its stages) by their joint
+        norm, as the one-stage model clips: each stage's squared norm is summed over the
+        replica's stages, so every stage scales by the same factor. Blocks on the replica's
+        other stages (which already wait on this one's activations every step)."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+        local = (torch.nn.utils.get_total_norm(grads, 2.0).double() ** 2 if grads
+                 else torch.zeros((), dtype=torch.float64))
+        total_sq = local.cpu().reshape(1).clone()
+        t0 = time.perf_counter()
+        work = dist.all_reduce(total_sq, group=self.replica_group, async_op=True)
+        peers = [self.lay.global_rank(self.lay.replica, s) for s in range(self.lay.stages)]
+        wait_works([work], "gradient norm across the replica's stages", peers, self.watchdog)
+        self.wait_seconds += time.perf_counter() - t0
+        total = total_sq.sqrt().to(torch.float32).reshape(())
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(grads[0].device))
+        return float(total)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
                    ) -> float | None:

@@ -64,6 +64,9 @@ class LocalRunner:
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())
 
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
                    ) -> float | None:
         loss = lm_loss(self.model(inputs), targets)
@@ -277,7 +280,7 @@ class Trainer:
             sync0, bytes0 = comm.sync_seconds, comm.bytes_sent
             method.sync_gradients()
             if o.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(self.params, o.grad_clip)
+                runner.clip_grad_norm_(o.grad_clip)
             inner.step()
             inner.zero_grad(set_to_none=True)
             faults.pace(time.perf_counter() - s0)
