@@ -98,7 +98,9 @@ def train_cmd(a: argparse.Namespace, preset: str, out: Path, checkpoint_every: i
             "--method", c["method"], "--replicas", str(c["replicas"]),
             "--sync-every", str(a.sync_every), "--steps", str(steps),
             "--batch-size", str(c["batch_size"]), "--seq-len", str(c["seq_len"]),
-            "--eval-every", str(steps), "--eval-batches", "2", "--device", "cpu",
+            "--eval-every", str(steps),
+            "--eval-sequences", str(2 * c["batch_size"]),
+            "--device", "cpu",
             "--checkpoint-every", str(checkpoint_every), "--out", str(out), "--overwrite",
             *extra]
 

@@ -129,7 +129,7 @@ def run_noloco(a: argparse.Namespace, tmp: Path) -> tuple[list[float], dict[str,
         ["--method", "ddp", "--replicas", str(a.replicas), "--preset", a.preset,
          "--data", a.data, "--steps", str(a.steps), "--batch-size", str(a.batch_size),
          "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", "0", "--weight-decay", "0",
-         "--grad-clip", "1.0", "--eval-every", str(a.steps), "--eval-batches", "1",
+         "--grad-clip", "1.0", "--eval-every", str(a.steps), "--eval-sequences", str(a.batch_size),
          "--checkpoint-every", "0", "--device", "cpu", "--seed", "0"], tmp / "noloco")
 
 

@@ -95,7 +95,8 @@ def train_cmd(a: argparse.Namespace, method: str, out: Path) -> list[str]:
            "--preset", a.preset, "--data", a.data,
            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
-           "--eval-every", str(a.eval_every), "--eval-batches", str(a.eval_batches),
+           "--eval-every", str(a.eval_every),
+           "--eval-sequences", str(a.eval_batches * a.batch_size),
            "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
     if method in ("diloco", "noloco", AVERAGING):
         cmd += ["--sync-every", str(a.sync_every)]

@@ -104,7 +104,8 @@ def train_cmd(a: argparse.Namespace, name: str, out: Path) -> list[str]:
            "--microbatches", str(a.microbatches), "--preset", a.preset, "--data", a.data,
            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
-           "--eval-every", str(a.eval_every), "--eval-batches", str(a.eval_batches),
+           "--eval-every", str(a.eval_every),
+           "--eval-sequences", str(a.eval_batches * a.batch_size),
            "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
     if method != "ddp":
         cmd += ["--sync-every", str(sync_every)]

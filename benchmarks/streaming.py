@@ -120,7 +120,8 @@ def train_cmd(a: argparse.Namespace, run: str, out: Path) -> list[str]:
             "--steps", str(a.steps), "--batch-size", str(a.batch_size),
             "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
             "--sync-every", str(a.sync_every), "--eval-every", str(a.steps),
-            "--eval-batches", str(a.eval_batches), "--seed", str(a.seed), "--device", "cpu",
+            "--eval-sequences", str(a.eval_batches * a.batch_size),
+            "--seed", str(a.seed), "--device", "cpu",
             "--out", str(out), "--overwrite"]
 
 

@@ -148,7 +148,8 @@ def noloco_argv(a: argparse.Namespace, out: Path) -> list[str]:
             "--steps", str(a.steps), "--batch-size", str(a.batch_size),
             "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", "0",
             "--weight-decay", "0", "--grad-clip", "1.0", "--eval-every", str(a.steps),
-            "--eval-batches", "1", "--seed", "0", "--device", "cpu", "--out", str(out),
+            "--eval-sequences", str(a.batch_size),
+            "--seed", "0", "--device", "cpu", "--out", str(out),
             "--overwrite"]
 
 

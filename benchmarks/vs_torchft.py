@@ -275,7 +275,9 @@ def run_noloco(a: argparse.Namespace, case: str, out: Path) -> dict[str, Any]:
          "--preset", a.preset, "--data", a.data, "--steps", str(steps),
          "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len), "--lr", str(a.lr),
          "--warmup", str(a.warmup), "--weight-decay", "0", "--grad-clip", "1.0",
-         "--eval-every", str(steps), "--eval-batches", "1", "--checkpoint-every", "0",
+         "--eval-every", str(steps),
+         "--eval-sequences", str(a.batch_size),
+         "--checkpoint-every", "0",
          "--device", "cpu", "--seed", "0"], out)
     return {"step_seconds": step_s, "bytes_sent_per_replica": summary["bytes_sent_per_replica"],
             "peak_rss_bytes": summary["peak_rss_bytes"],

@@ -251,7 +251,7 @@ def train_scenario(name: str, rates: list[float], methods: list[str], args: argp
                 "--replicas", str(len(rates)), "--data", str(args.data),
                 "--preset", "tiny", "--batch-size", str(args.batch_size),
                 "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                "--eval-every", str(args.steps), "--eval-batches", "1",
+                "--eval-every", str(args.steps), "--eval-sequences", str(args.batch_size),
                 "--warmup", "2", "--log-every", str(args.steps), "--comm-timeout", "600",
                 "--out", str(run_dir), "--overwrite"]
         if method != "ddp":

@@ -49,7 +49,7 @@ def test_help_documents_every_flag(capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     for flag in ("--method", "--preset", "--steps", "--batch-size", "--seq-len", "--lr",
-                 "--warmup", "--data", "--out", "--seed", "--eval-every", "--eval-batches",
+                 "--warmup", "--data", "--out", "--seed", "--eval-every", "--eval-sequences",
                  "--config", "--replicas", "--sync-every", "--outer-lr", "--outer-momentum",
                  "--nesterov", "--group-size", "--gamma", "--overwrite"):
         assert flag in out, flag

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from noloco import data as D
 
@@ -128,8 +129,18 @@ def test_batches_are_shifted_targets_and_reader_resumes_exactly():
 
 def test_validation_batches_are_fixed():
     tokens = np.arange(1_000, dtype=np.uint16)
-    a = D.validation_batches(tokens, 16, 4, 3)
-    b = D.validation_batches(tokens, 16, 4, 3)
+    a = D.validation_batches(tokens, 16, 12, 4)
+    b = D.validation_batches(tokens, 16, 12, 4)
     assert len(a) == 3
     for (ax, ay), (bx, by) in zip(a, b, strict=True):
         assert np.array_equal(ax.numpy(), bx.numpy()) and np.array_equal(ay.numpy(), by.numpy())
+
+
+def test_validation_set_does_not_depend_on_the_batch_size():
+    tokens = np.arange(1_000, dtype=np.uint16)  # 58 sequences of 16 + 1: 100 wrap around
+    sets = {bs: D.validation_batches(tokens, 16, 100, bs) for bs in (1, 7, 16, 100, 128)}
+    for bs, batches in sets.items():
+        assert [len(x) for x, _ in batches][:-1] == [bs] * (len(batches) - 1)
+        x = torch.cat([x for x, _ in batches])
+        assert x.shape == (100, 16)
+        assert torch.equal(x, torch.cat([x for x, _ in sets[1]]))

@@ -349,7 +349,7 @@ def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_pa
     argv = ["--method", "noloco", "--replicas", "2", "--stages", "2", "--routing", "random",
             "--sync-every", str(sync_every), "--data", str(shakespeare), "--steps", str(steps),
             "--eval-every", "2", "--batch-size", str(bsz), "--seq-len", str(seq),
-            "--eval-batches", "2", "--microbatches", "2", "--out", str(tmp_path / "run")]
+            "--eval-sequences", "8", "--microbatches", "2", "--out", str(tmp_path / "run")]
     from noloco.cli import build_parser, config_from_args
     cfg = config_from_args(build_parser().parse_args(["train", *argv])).resolved()
     RunDir(tmp_path / "run").prepare(cfg, overwrite=False)

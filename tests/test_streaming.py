@@ -463,7 +463,7 @@ def test_streaming_end_to_end_reports_fragments_and_peak_bytes(tmp_path, shakesp
     argv = ["train", "--method", "streaming", "--replicas", "2", "--fragments", "2",
             "--overlap-steps", "1", "--quantize", "fp4", "--sync-every", "4",
             "--data", str(shakespeare), "--steps", "8", "--eval-every", "8",
-            "--eval-batches", "1", "--batch-size", "4", "--seq-len", "32", "--warmup", "0",
+            "--eval-sequences", "4", "--batch-size", "4", "--seq-len", "32", "--warmup", "0",
             "--lr", "3e-3", "--out", str(out)]
     assert main(argv) == 0
     s = json.loads((out / "summary.json").read_text())

@@ -25,7 +25,7 @@ def test_single_run_lowers_validation_loss_and_writes_contract(tmp_path, shakesp
     out = tmp_path / "run"
     argv = ["train", "--data", str(shakespeare), "--steps", "40", "--eval-every", "20",
             "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--warmup", "5",
-            "--eval-batches", "4", "--out", str(out)]
+            "--eval-sequences", "32", "--out", str(out)]
     assert main(argv) == 0
     metrics, summary = _read(out)
     assert [m["step"] for m in metrics] == [0, 20, 40]
@@ -46,7 +46,7 @@ def test_same_seed_repeats_exactly(tmp_path, shakespeare):
     losses = []
     for name in ("a", "b"):
         argv = ["train", "--data", str(shakespeare), "--steps", "6", "--eval-every", "3",
-                "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2",
+                "--batch-size", "4", "--seq-len", "32", "--eval-sequences", "8",
                 "--out", str(tmp_path / name)]
         assert main(argv) == 0
         losses.append([m["val_loss"] for m in _read(tmp_path / name)[0]])
@@ -58,7 +58,7 @@ def test_noloco_two_replicas_end_to_end(tmp_path, shakespeare):
     out = tmp_path / "run"
     argv = ["train", "--method", "noloco", "--replicas", "2", "--sync-every", "5",
             "--data", str(shakespeare), "--steps", "12", "--eval-every", "6",
-            "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2", "--out", str(out)]
+            "--batch-size", "4", "--seq-len", "32", "--eval-sequences", "8", "--out", str(out)]
     assert main(argv) == 0
     metrics, s = _read(out)
     assert s["method"] == "noloco" and s["replicas"] == 2 and s["outer_steps"] == 2
@@ -68,3 +68,21 @@ def test_noloco_two_replicas_end_to_end(tmp_path, shakespeare):
     assert s["bytes_sent_per_replica"] == 2 * s["params"] * 4
     assert s["weight_spread"] > 0 and s["sync_seconds"] > 0
     assert 0 < s["compute_utilisation"] <= 1
+
+
+@pytest.mark.timeout(240)
+def test_validation_set_is_the_same_for_every_batch_size(tmp_path, shakespeare):
+    """Runs that differ only in --batch-size are scored on the same sequences: the same
+    validation loss at step 0 (same initial weights)."""
+    from run_utils import metrics
+
+    losses = []
+    for bs in ("3", "8"):
+        out = tmp_path / bs
+        assert main(["train", "--data", str(shakespeare), "--steps", "1", "--eval-every", "1",
+                     "--batch-size", bs, "--seq-len", "32", "--eval-sequences", "20",
+                     "--checkpoint-every", "0", "--log-every", "0", "--out", str(out)]) == 0
+        first = next(m for m in metrics(out) if m.get("val_loss") is not None)
+        assert first["step"] == 0
+        losses.append(first["val_loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)

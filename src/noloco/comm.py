@@ -340,7 +340,7 @@ class TorchCommunicator(Communicator):
         padded[:n] = tensor
         msgs = [quant.to_bytes(quant.quantize(c, fmt, block_size)) for c in padded.split(chunk)]
         send, m = torch.cat(msgs), msgs[0].numel()
-        self.bytes_sent += 2 * (size - 1) * m  # the own chunk never leaves the rank
+        self.bytes_sent += quantized_all_reduce_bytes(n, size, fmt, block_size)
 
         def decode(buf: torch.Tensor) -> torch.Tensor:
             return quant.dequantize(quant.from_bytes(buf, chunk, fmt, block_size))

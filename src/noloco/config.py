@@ -118,7 +118,9 @@ class MethodConfig:
 class TrainConfig:
     steps: int = opt(200, "inner steps per replica")
     eval_every: int = opt(50, "evaluate every K steps (and at the end)")
-    eval_batches: int = opt(8, "validation batches per evaluation")
+    eval_sequences: int = opt(
+        128, "validation sequences per evaluation: the same fixed set whatever --batch-size, so "
+        "runs with different batch sizes are scored on the same text")
     seed: int = opt(0, "random seed (model init, data order, NoLoCo groups)")
     out: str = opt("runs/latest", "run directory")
     overwrite: bool = opt(False, "replace an existing run directory")
@@ -196,7 +198,7 @@ class Config:
         _positive("--batch-size", d.batch_size)
         _positive("--seq-len", d.seq_len)
         _positive("--eval-every", t.eval_every)
-        _positive("--eval-batches", t.eval_batches)
+        _positive("--eval-sequences", t.eval_sequences)
         if d.seq_len > PRESETS[self.model.preset].max_seq_len:
             raise ConfigError(
                 f"--seq-len {d.seq_len} exceeds what preset {self.model.preset!r} can take "

@@ -295,17 +295,17 @@ class ShardedReader:
         self._order = self._shard(self.epoch)
 
 
-def validation_batches(tokens: np.ndarray, seq_len: int, batch_size: int, count: int
+def validation_batches(tokens: np.ndarray, seq_len: int, sequences: int, batch_size: int
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same fixed validation batches for every replica (the first sequences, wrapping)."""
+    """The validation set: the first ``sequences`` sequences (wrapping when the validation
+    text holds fewer), identical for every replica and every batch size, cut into batches of
+    at most ``batch_size`` (only memory depends on it; the loss weights each sequence alike)."""
     n = num_sequences(tokens, seq_len)
     if n < 1:
         raise DataError(f"validation data is shorter than one sequence of {seq_len} tokens")
-    out = []
-    for b in range(count):
-        idx = [(b * batch_size + j) % n for j in range(batch_size)]
-        out.append(stack_batch(tokens, seq_len, idx))
-    return out
+    idx = [i % n for i in range(sequences)]
+    return [stack_batch(tokens, seq_len, idx[b:b + batch_size])
+            for b in range(0, sequences, batch_size)]
 
 
 def cpu_count() -> int:

@@ -336,7 +336,7 @@ class PipelineRunner:
                 wait_works([w], "pipeline receive (evaluation)", [src], self.watchdog)
                 h = st(buf.to(self.device))
             if st.last:
-                total += lm_loss(h, y).item()
+                total += lm_loss(h, y).item() * len(y)  # weighted: the last batch may be smaller
             else:
                 work, h, dst = self._send(h, lay.global_rank(me, s + 1), 4 * b + _EVAL,
                                           count=False)
@@ -345,7 +345,7 @@ class PipelineRunner:
         for w, _, dst in sends:
             wait_works([w], "pipeline send (evaluation)", [dst], self.watchdog)
         self.stage.train()
-        return total / len(batches) if st.last else None
+        return total / sum(len(y) for _, y in batches) if st.last else None
 
     def report(self) -> dict[str, Any]:
         """Schedule facts for summary.json; gathers every worker's waits (call on all ranks)."""

@@ -76,9 +76,10 @@ class LocalRunner:
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         self.model.eval()
-        total = sum(lm_loss(self.model(x), y).item() for x, y in batches)
+        # Weighted by sequences: the last batch may be smaller.
+        total = sum(lm_loss(self.model(x), y).item() * len(x) for x, y in batches)
         self.model.train()
-        return total / len(batches)
+        return total / sum(len(x) for x, _ in batches)
 
     def state_dict(self) -> dict[str, Any]:
         return {"activation_bytes": self.activation_bytes}
@@ -123,7 +124,7 @@ class Trainer:
         self.reader = data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, lay.replica,
                                              lay.replicas, seed=t.seed)
         self.val = [(x.to(device), y.to(device)) for x, y in data_mod.validation_batches(
-            corpus.val, d.seq_len, d.batch_size, t.eval_batches)]
+            corpus.val, d.seq_len, t.eval_sequences, d.batch_size)]
         self.tokenizer_name = tokenizer.name
         self.args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
                            dropout=cfg.model.dropout)

@@ -22,7 +22,7 @@ gradient accumulation) pass ``overlap=False``, which starts every bucket in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +33,25 @@ from noloco.methods.base import Method
 FIRST_BUCKET_MB = 1.0
 
 
+def bucket_layout(numels: Sequence[int], bucket_mb: float = 25.0) -> list[list[int]]:
+    """Parameter indices per bucket, in the order buckets start: from the last parameter
+    (whose gradient is ready first in backward) to the first; the first bucket holds up to
+    FIRST_BUCKET_MB, the others up to ``bucket_mb`` (fp32 gradients)."""
+    buckets: list[list[int]] = []
+    size, cap = 0, min(FIRST_BUCKET_MB, bucket_mb) * 2**20
+    for i in reversed(range(len(numels))):
+        nbytes = numels[i] * 4
+        if buckets and size + nbytes <= cap:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            if buckets:
+                cap = bucket_mb * 2**20
+            buckets.append([i])
+            size = nbytes
+    return buckets
+
+
 class DDP(Method):
     name = "ddp"
 
@@ -41,18 +60,7 @@ class DDP(Method):
         super().__init__(model, comm)
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
-        self.buckets: list[list[int]] = []
-        size, cap = 0, min(FIRST_BUCKET_MB, bucket_mb) * 2**20
-        for i in reversed(range(len(self.params))):
-            nbytes = self.params[i].numel() * 4
-            if self.buckets and size + nbytes <= cap:
-                self.buckets[-1].append(i)
-                size += nbytes
-            else:
-                if self.buckets:
-                    cap = bucket_mb * 2**20
-                self.buckets.append([i])
-                size = nbytes
+        self.buckets = bucket_layout([p.numel() for p in self.params], bucket_mb)
         self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
         dev = self.params[0].device
         self.flat = [torch.zeros(sum(self.params[i].numel() for i in b), device=dev)

@@ -36,9 +36,7 @@ import torch
 from noloco import quant
 from noloco.comm import Communicator, flatten
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync, decode, encode
-
-SLOW_FORMAT = "int8"
-"""Encoding of the slow weights' drift φ − φ⁰ in quantised streaming NoLoCo."""
+from noloco.methods.wire import SLOW_FORMAT
 
 
 def groups_at(exchange: int, replicas: int, group_size: int, seed: int = 0

@@ -8,11 +8,17 @@ prediction is ``wall = compute_seconds + exposed synchronisation seconds`` and
 
 Assumptions (also in docs/netsim.md):
 
-P1. Payload S per worker = ``param_bytes / stages`` (pipeline stages synchronise their own
-    parameters in parallel, each on its own link), in the precision the run trained in.
-    Outer-gradient methods may send fewer bits (``quantize`` in config.json, or ``wire_bits``).
+P1. Bytes are the methods' own: :func:`noloco.methods.wire.sync_bytes`, the function their
+    communication is accounted with, applied to the run's model (``model/model.json``): DDP's
+    buckets, each fragment of each pipeline stage (stages synchronise their own parameters in
+    parallel, each on its own link), the run's quantisation format (with its block scales;
+    quantised NoLoCo also sends its slow-weight drift in int8) and, for NoLoCo with γ ≠ β,
+    θ and φ. A prediction's bytes for the run's own method are the run's bytes, exactly. A
+    run without ``model/model.json`` is split evenly (approximate); ``wire_bits`` overrides
+    the bits per value (no framing).
 P2. All-reduce (ddp, diloco, streaming) = ring all-reduce over the N replicas:
-    ``2 (N - 1) / N * S`` bytes through each worker's link and 2 (N - 1) latency terms.
+    ``2 (N - 1) / N * S`` bytes through each worker's link and 2 (N - 1) latency terms (a
+    DDP step: one such all-reduce per bucket).
 P3. NoLoCo group exchange: every member sends its S bytes to each of the other n - 1 members
     of its group, all at once on a full-duplex link: ``(n - 1) * S`` bytes and one latency term
     by default (``pair_latency_terms=2`` gives the paper's 2 t_c count).
@@ -46,7 +52,6 @@ METHODS = ("ddp", "diloco", "noloco", "streaming")
 DEFAULT_SYNC_EVERY = {"diloco": 100, "noloco": 50, "streaming": 50}
 """H when the run itself has none (the package's defaults, SPEC §2-§4)."""
 
-QUANT_BITS = {"none": None, "fp4": 4, "int8": 8, "fp8": 8}
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _BANDWIDTH = re.compile(
@@ -154,6 +159,11 @@ class RunInfo:
     fragments: int
     overlap_steps: int
     quantize: str
+    fragment_pattern: str = "strided"
+    gamma_differs: bool = False
+    """NoLoCo with γ ≠ β sends its slow weights too"""
+    model_args: dict[str, Any] | None = None
+    """the model's shape (``model/model.json``): bytes are then exact, fragment by fragment"""
 
     @property
     def trained_bits(self) -> float:
@@ -212,7 +222,50 @@ def load_run(run_dir: str | Path) -> RunInfo:
         fragments=int(mcfg.get("fragments") or 1),
         overlap_steps=int(mcfg.get("overlap_steps") or 0),
         quantize=str(mcfg.get("quantize") or "none"),
+        fragment_pattern=str(mcfg.get("fragment_pattern") or "strided"),
+        gamma_differs=(mcfg.get("gamma") is not None and mcfg.get("outer_lr") is not None
+                       and mcfg["gamma"] != mcfg["outer_lr"]),
+        model_args=_model_args(root),
     )
+
+
+def _model_args(root: Path) -> dict[str, Any] | None:
+    index = root / "model" / "model.json"
+    if not index.is_file():
+        return None
+    args = _read_json(index).get("model_args")
+    return args if isinstance(args, dict) else None
+
+
+def _stage_units(run: RunInfo, method: str, fragments: int) -> list[list[int]]:
+    """Per pipeline stage, the values of each synchronisation unit: DDP's buckets, or the
+    method's fragments (0 where a stage holds no block of a fragment) — from the model's
+    shape when the run recorded it (exact), else an even split of the parameters."""
+    if run.model_args is None:
+        per_stage = (run.params or int(run.param_bytes // 4)) // run.stages
+        return [[per_stage] if method == "ddp" else [per_stage // fragments] * fragments
+                for _ in range(run.stages)]
+    import torch
+
+    from noloco.methods.ddp import bucket_layout
+    from noloco.methods.engine import split_model
+    from noloco.model import ModelArgs, Transformer
+    from noloco.pipeline import Stage
+
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(**run.model_args))
+    units = []
+    for s in range(run.stages):
+        named = (list(Stage(model, run.stages, s).named_parameters()) if run.stages > 1
+                 else list(model.named_parameters()))
+        numels = [p.numel() for _, p in named]
+        if method == "ddp":
+            units.append([sum(numels[i] for i in b) for b in bucket_layout(numels)])
+        else:
+            _, groups = split_model(named, fragments, run.fragment_pattern,
+                                    model.args.n_layers)
+            units.append([sum(numels[i] for i in g) for g in groups])
+    return units
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,41 +337,79 @@ def _predict_method(
     wire_bits: float | None,
     pair_latency_terms: int,
 ) -> MethodPrediction:
+    from noloco.methods.engine import FragmentSchedule
+    from noloco.methods.wire import sync_bytes
+
     steps, T = run.steps, run.step_seconds
-    full = run.param_bytes / run.stages  # P1
+    own = method == run.method  # the run's fragments/tau/quantize belong to its method
+    quantize, gamma_differs = "none", False
     if method == "ddp":
-        h, p, tau, bits = None, 1, 0, run.trained_bits
-        events = steps
+        h, p, tau = None, 1, 0
     else:
         h = sync_every or run.sync_every or DEFAULT_SYNC_EVERY[method]
         if h < 1:
             raise NetsimError(f"sync_every (H) must be >= 1, got {h}")
-        own = method == run.method  # the run's fragments/tau/quantize belong to its method
         p, tau = 1, 0
         if method == "streaming":
             p = fragments or run.fragments
             tau = run.overlap_steps if overlap_steps is None else overlap_steps
         elif own and method == "noloco":
             p, tau = run.fragments, run.overlap_steps
-        quant = QUANT_BITS.get(run.quantize) if own else None
-        bits = wire_bits or quant or run.trained_bits
-        events = steps // h * p  # every fragment is synchronised once per H steps
-    payload = full / p * bits / run.trained_bits
-    t = predict_sync_seconds(
-        method,
-        n,
-        payload,
-        bandwidth_bps,
-        latency_s,
-        group_size=run.group_size,
-        pair_latency_terms=pair_latency_terms,
-    )
-    exposed = events * max(0.0, t - tau * T)  # P4
-    if method == "noloco":
-        sent = events * (min(run.group_size, n) - 1) * payload if n > 1 else 0.0
+        if own:
+            quantize = run.quantize if method in ("noloco", "streaming") else "none"
+            gamma_differs = run.gamma_differs and method == "noloco"
+    element_size = max(1, round(run.trained_bits / 8))
+    units = _stage_units(run, method, p)
+
+    def unit_bytes(numel: int) -> float:
+        """One worker's bytes for one unit (the methods' own accounting, P2/P3)."""
+        if numel == 0:
+            return 0.0
+        if wire_bits is not None:  # an override: that many bits per value, no framing
+            return sync_bytes(method, numel, n, element_size=1, group_size=run.group_size,
+                              gamma_differs=gamma_differs) * wire_bits / 8
+        return float(sync_bytes(method, numel, n, element_size=element_size,
+                                group_size=run.group_size, quantize=quantize,
+                                gamma_differs=gamma_differs))
+
+    lat = (pair_latency_terms if method == "noloco" else 2 * (n - 1)) * latency_s
+
+    def seconds(nbytes: float) -> float:
+        return nbytes * 8 / bandwidth_bps + lat if nbytes > 0 else 0.0
+
+    # Events: (bytes per stage worker, seconds): stages synchronise in parallel, each on its
+    # own link, so an event takes as long as its slowest stage.
+    if method == "ddp":
+        per_stage = [sum(unit_bytes(u) for u in st) for st in units]
+        step_t = max(sum(seconds(unit_bytes(u)) for u in st) for st in units)
+        events = [(per_stage, step_t)] * (steps if n > 1 else 0)
     else:
-        sent = events * ring_allreduce_bytes(n, payload)
+        try:
+            sched = FragmentSchedule(h, p, tau)
+        except ValueError as e:
+            raise NetsimError(str(e)) from None
+        events = []
+        for t in range(1, steps + 1):
+            for f in sched.starting(t):
+                b = [unit_bytes(st[f]) for st in units]
+                events.append((b, max(seconds(x) for x in b)))
+    sent = sum(sum(b) for b, _ in events)
+    exposed = sum(max(0.0, t - tau * T) for _, t in events)  # P4
     wall = run.compute_seconds + exposed
+    k = max(len(events), 1)
+    from noloco import quant
+    from noloco.methods.wire import exchange_message_bytes
+
+    values = max(sum(sum(st) for st in units) // (run.stages * max(len(units[0]), 1)), 1)
+    if wire_bits is not None:
+        bits = float(wire_bits)
+    elif method == "noloco":
+        bits = 8 * exchange_message_bytes(values, element_size, quantize, gamma_differs) / values
+    elif quantize != "none":
+        bits = 8 * quant.wire_bytes(values, quantize) / values
+    else:
+        bits = run.trained_bits
+    payload = values * bits / 8  # one message of an average unit, before the ring's factor
     return MethodPrediction(
         method=method,
         replicas=n,
@@ -327,8 +418,8 @@ def _predict_method(
         overlap_steps=tau,
         wire_bits=bits,
         payload_bytes=payload,
-        sync_events=events,
-        seconds_per_sync=t,
+        sync_events=len(events),
+        seconds_per_sync=sum(t for _, t in events) / k,
         exposed_sync_seconds=exposed,
         bytes_sent_per_replica=sent,
         compute_seconds=run.compute_seconds,
