@@ -133,3 +133,21 @@ def test_vs_torchft_quick_agrees_with_torchft(tmp_path: Path) -> None:
     for case in ("diloco", "streaming"):
         assert (res[case]["noloco"]["bytes_sent_per_replica"]
                 == res[case]["torchft"]["bytes_sent_per_replica"])
+
+
+def test_frontier_judge_reads_the_targets() -> None:
+    import frontier
+
+    def cfg(mean: float, std: float = 0.01) -> dict:
+        return {"loss": {"mean": mean, "std": std}}
+
+    sweep = {"ddp": cfg(2.0), "single": cfg(2.5),
+             "diloco_H5": cfg(2.1), "noloco_H5": cfg(2.12),
+             "diloco_H50": cfg(2.4), "noloco_H50": cfg(2.6)}
+    t = frontier.judge(sweep)
+    assert t["per_h"][5]["noloco_within_2pct_of_diloco"]
+    assert not t["per_h"][50]["noloco_within_2pct_of_diloco"]
+    assert not t["noloco_within_2pct_of_diloco_at_every_h"]
+    assert t["both_below_single_at_h_le_20"] and t["noloco_within_10pct_of_ddp_at"] == [5]
+    sweep["single"] = cfg(2.11, 0.05)  # within the seed spread: not "below"
+    assert not frontier.judge(sweep)["both_below_single_at_h_le_20"]

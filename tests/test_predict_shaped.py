@@ -4,9 +4,9 @@ Two replicas in network namespaces joined by 20 Mbit/s token-bucket links (bench
 One outer sync of the tiny model moves 3.68 MB per worker (an all-reduce over two ranks, or
 a pair exchange): ~1.5 s on this link, against sub-millisecond latency and compute. The run's
 measured blocked seconds must match the seconds the network model predicts for it within
-a band (0.7×–1.7×; measured here: 1.27× diloco, 1.18× noloco, the excess being TCP/IP
-framing and set-up, not broken down) narrow enough that a model predicting nothing, or twice the time,
-fails. The bytes are checked exactly elsewhere (tests/test_netsim.py).
+a band (0.7×–1.7×; measured here: 1.27× diloco, 1.18× noloco, the excess not broken
+down) narrow enough that a model predicting nothing, or twice the time, fails. The bytes are
+checked exactly elsewhere (tests/test_netsim.py).
 """
 
 from __future__ import annotations

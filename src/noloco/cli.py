@@ -9,6 +9,7 @@ written.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,14 @@ def train(ns: argparse.Namespace) -> int:
 
     resuming = getattr(ns, "resume", None) is not None
     cfg = resume_config(ns) if resuming else config_from_args(ns).resolved()
+    m = cfg.method
+    # The first outer step (of any fragment) comes after H/P inner steps.
+    first_sync = m.sync_every // max(m.fragments, 1) if m.sync_every is not None else None
+    if (first_sync is not None and cfg.train.steps < first_sync and m.replicas > 1
+            and os.environ.get("RANK", "0") == "0"):
+        print(f"noloco: warning: --steps {cfg.train.steps} ends before the first outer step "
+              f"(after {first_sync} steps, --sync-every {m.sync_every}): the {m.replicas} "
+              f"replicas will train independently", file=sys.stderr)
     if under_torchrun():
         from noloco.worker import main as worker_main
         return worker_main(cfg, resume=resuming, must_resume=resuming)

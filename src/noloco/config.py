@@ -114,6 +114,22 @@ class MethodConfig:
         "for")
 
 
+def default_out() -> str:
+    """A new directory under runs/ for every local run; under torchrun, one name that every
+    worker of the job derives alike (its run id), since their clocks and start times differ."""
+    import os
+    import time
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and "RANK" in os.environ:
+        return f"runs/torchrun-{run_id}"
+    base = time.strftime("runs/%Y%m%d-%H%M%S")
+    out, k = base, 2
+    while os.path.exists(out):
+        out, k = f"{base}-{k}", k + 1
+    return out
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     steps: int = opt(200, "inner steps per replica")
@@ -122,7 +138,12 @@ class TrainConfig:
         128, "validation sequences per evaluation: the same fixed set whatever --batch-size, so "
         "runs with different batch sizes are scored on the same text")
     seed: int = opt(0, "random seed (model init, data order, NoLoCo groups)")
-    out: str = opt("runs/latest", "run directory")
+    out: str | None = opt(
+        None, "run directory (default: a new runs/YYYYmmdd-HHMMSS; under torchrun "
+        "runs/<its run id>)")
+    threads: int | None = opt(
+        None, "torch CPU threads per worker (default: this machine's cores divided by its "
+        "workers, at least 1)")
     overwrite: bool = opt(False, "replace an existing run directory")
     checkpoint_every: int | None = opt(
         None, "save a checkpoint every K inner steps, and at the end (default: every outer step "
@@ -177,6 +198,8 @@ class Config:
             m.gamma = m.outer_lr
         if cfg.optim.schedule_steps is None:
             cfg.optim.schedule_steps = cfg.train.steps
+        if cfg.train.out is None:
+            cfg.train.out = default_out()
         if cfg.train.checkpoint_every is None:
             cfg.train.checkpoint_every = m.sync_every if m.sync_every is not None else 100
         cfg.validate()
@@ -195,6 +218,8 @@ class Config:
         _positive("--replicas", m.replicas)
         _positive("--stages", m.stages)
         _positive("--steps", t.steps)
+        if t.threads is not None:
+            _positive("--threads", t.threads)
         _positive("--batch-size", d.batch_size)
         _positive("--seq-len", d.seq_len)
         _positive("--eval-every", t.eval_every)

@@ -59,9 +59,10 @@ class Layout:
         return f"rank {rank} (replica {rank // self.stages}, stage {rank % self.stages})"
 
 
-def limit_threads(local_world: int) -> int:
-    """cores ÷ local workers (at least 1): N workers on a few cores must not oversubscribe."""
-    n = max(1, data_mod.cpu_count() // max(local_world, 1))
+def limit_threads(local_world: int, threads: int | None = None) -> int:
+    """``threads``, else cores ÷ local workers (at least 1): N workers on a few cores must not
+    oversubscribe."""
+    n = threads or max(1, data_mod.cpu_count() // max(local_world, 1))
     torch.set_num_threads(n)
     try:
         torch.set_num_interop_threads(1)

@@ -8,7 +8,6 @@ exactly what the method sent and waited for.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -104,10 +103,15 @@ def gather_scalars(world: Communicator, lay: Any, values: list[float],
 class Progress:
     """A rich progress bar on a terminal; plain lines otherwise (logs, CI)."""
 
-    def __init__(self, enabled: bool, total: int, log_every: int = 10, start: int = 0) -> None:
+    def __init__(self, enabled: bool, total: int, log_every: int = 10, start: int = 0,
+                 show_steps: bool | None = None) -> None:
+        """``enabled``: this worker prints the evaluation lines and the end of the run;
+        ``show_steps`` (default: the same): it prints the per-step progress — with pipeline
+        stages the worker that has the loss (replica 0's last stage)."""
         self.enabled = enabled
+        self.show_steps = enabled if show_steps is None else show_steps
         self.log_every = log_every
-        self.tty = enabled and sys.stderr.isatty()
+        self.tty = self.show_steps and sys.stderr.isatty()
         self.total = total
         self.t0 = time.perf_counter()
         self.tokens = 0
@@ -122,7 +126,7 @@ class Progress:
             self.bar.start()
 
     def step(self, step: int, loss: float | None, tokens: int) -> None:
-        if not self.enabled:
+        if not self.show_steps:
             return
         self.tokens += tokens
         tps = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
@@ -141,7 +145,9 @@ class Progress:
             print(msg, flush=True)
 
     def eval_line(self, rec: dict[str, Any]) -> None:
-        self.line(f"step {rec['step']:>6} | train {rec['train_loss']:.4f} | val "
+        train = rec["train_loss"]
+        train = "   —  " if train is None or train != train else f"{train:.4f}"  # none at step 0
+        self.line(f"step {rec['step']:>6} | train {train} | val "
                   f"{rec['val_loss']:.4f} | spread {rec['weight_spread']:.2e} | sent "
                   f"{rec['bytes_sent'] / 1e6:,.1f} MB | blocked {rec['sync_seconds']:.2f} s | "
                   f"{rec['wall_seconds']:.1f} s")
@@ -150,11 +156,26 @@ class Progress:
         if self.bar is not None:
             self.bar.stop()
 
-    def final(self, summary: dict[str, Any]) -> None:
-        print(json.dumps({k: summary[k] for k in (
-            "method", "replicas", "stages", "steps", "final_val_loss", "bytes_sent_per_replica",
-            "sync_seconds", "compute_utilisation", "weight_spread", "wall_seconds")}),
-            flush=True)
+    def final(self, summary: dict[str, Any], out: str) -> None:
+        """A short human summary of a completed run, and the next commands to try."""
+        s = summary
+        per = s["final_val_loss_per_replica"]
+        spread = (f" (replicas {min(per):.4f}–{max(per):.4f})" if len(per) > 1 else "")
+        stages = f" × {s['stages']} stages" if s["stages"] > 1 else ""
+        outer = f", {s['outer_steps']} outer steps" if s.get("outer_steps") else ""
+        lines = [
+            f"done: {s['method']}, {s['replicas']} replica{'s' * (s['replicas'] > 1)}{stages}, "
+            f"{s['steps']} steps{outer} in {s['wall_seconds']:.1f} s",
+            f"  validation loss {s['final_val_loss']:.4f}{spread}, weight spread "
+            f"{s['weight_spread']:.2e}",
+            f"  sent {s['bytes_sent_per_replica'] / 1e6:,.1f} MB per replica, blocked "
+            f"{s['sync_seconds']:.2f} s in communication, compute utilisation "
+            f"{s['compute_utilisation']:.3f}",
+            f"  files: {out}/ (summary.json, metrics.jsonl, config.json, model/, checkpoints/)",
+            f"  next: noloco train --resume {out} --steps {2 * s['steps']}   |   "
+            f"noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
+        ]
+        print("\n".join(lines), flush=True)
 
 
 def _peak_rss_bytes() -> float:

@@ -256,7 +256,7 @@ class Trainer:
                                lay.replica, lay.stage, lay.rank,
                                once=self.ctx.attempt == 0 and self.resumed_from is None)
         log = Progress(enabled=lay.rank == 0, total=t.steps, log_every=t.log_every,
-                       start=st.step)
+                       start=st.step, show_steps=lay.rank == lay.global_rank(0, lay.stages - 1))
         if lay.rank == 0:
             self.rundir.write_summary({"status": "running", "last_step": st.step,
                                        "attempt": self.ctx.attempt,
@@ -315,7 +315,7 @@ class Trainer:
         summary = run_summary(self, rec)
         if lay.rank == 0:
             self.rundir.write_summary(summary)
-            log.final(summary)
+            log.final(summary, str(t.out))
             return summary
         return None
 

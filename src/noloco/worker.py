@@ -56,7 +56,7 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
     m, t = cfg.method, cfg.train
     lay = Layout.from_env(m.replicas, m.stages)
     status.lay, status.out = lay, t.out
-    threads = limit_threads(lay.local_world)
+    threads = limit_threads(lay.local_world, t.threads)
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)), lay.local_world)
     ctx = init_distributed(lay, m.comm_timeout, device)
     status.store, status.attempt = ctx.store, ctx.attempt

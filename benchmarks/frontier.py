@@ -1,0 +1,343 @@
+"""The study: do the methods pay off? Multi-seed H sweeps, the loss–communication frontier, the
+outer optimizer at small scale, and long runs (docs/science.md).
+
+Every run is ``python -m noloco train`` on the tiny preset, ``--replicas 4`` (one thread per
+worker), the same tokens per replica for every method, a fixed validation set
+(``--eval-sequences``). Parts:
+
+- ``sweep``: H ∈ {5, 10, 20, 50, 100} for DiLoCo and NoLoCo, Streaming DiLoCo (P = 4,
+  τ = 1, fp4) at two H, DDP and one replica alone as reference lines; 3 seeds each.
+- ``grid``: DiLoCo's outer (lr, momentum) and NoLoCo's (α, β) on a small grid at H = 20,
+  2 seeds each (the paper defaults are points of the grid).
+- ``long``: 2,000 steps of NoLoCo, DiLoCo and independent replicas (weight spread over time,
+  NoLoCo paper Fig. 3B), and NoLoCo with 2 pipeline stages, random against fixed routing
+  (paper Fig. 4).
+
+The study is resumable: each run keeps its directory under ``--runs-dir``; a completed run is
+read back, not re-run, and an interrupted long run resumes from its newest checkpoint
+(``noloco train --resume``). Run it alone: parallel runs on 2 cores measure the load.
+
+    python benchmarks/frontier.py                       # every part (~1 h on 2 cores)
+    python benchmarks/frontier.py --parts sweep         # one part
+    python benchmarks/frontier.py --quick               # smoke run, temp directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+PARTS = ("sweep", "grid", "long")
+SWEEP_H = (5, 10, 20, 50, 100)
+STREAMING_H = (20, 100)
+GRID_H = 20
+DILOCO_GRID = [(lr, mu) for lr in (0.4, 0.7, 1.0) for mu in (0.6, 0.9)]
+NOLOCO_GRID = [(alpha, beta) for alpha in (0.3, 0.5, 0.7) for beta in (0.5, 0.7, 0.9)]
+PAPER = {"diloco": (0.7, 0.9), "noloco": (0.5, 0.7)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(common.DEFAULT_DATA), help="training text file")
+    p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    p.add_argument("--replicas", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200, help="inner steps of sweep/grid runs")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the sweep")
+    p.add_argument("--grid-seeds", type=int, default=2)
+    p.add_argument("--long-steps", type=int, default=2000)
+    p.add_argument("--long-batch-size", type=int, default=4)
+    p.add_argument("--long-sync-every", type=int, default=50)
+    p.add_argument("--eval-sequences", type=int, default=64)
+    p.add_argument("--runs-dir", default=None,
+                   help="run directories, kept for resuming (default: the temp directory)")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed")
+    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
+                   "(default benchmarks/results; --quick: the temporary directory)")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.replicas, a.steps, a.batch_size, a.seq_len, a.warmup = 2, 20, 2, 32, 2
+        a.seeds, a.grid_seeds, a.long_steps, a.long_batch_size = 1, 1, 40, 2
+        a.long_sync_every, a.eval_sequences = 10, 4
+    if not Path(a.data).is_file():
+        p.error(f"data file not found: {a.data}")
+    if a.replicas < 2 or a.replicas % 2:
+        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+    return a
+
+
+# ---- one run --------------------------------------------------------------------------------
+
+def train_args(a: argparse.Namespace, method: str, seed: int, *, steps: int | None = None,
+               batch_size: int | None = None, eval_every: int | None = None,
+               replicas: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    steps = steps or a.steps
+    return ["--method", method, "--replicas", str(replicas or a.replicas), "--preset", "tiny",
+            "--data", a.data, "--steps", str(steps),
+            "--batch-size", str(batch_size or a.batch_size), "--seq-len", str(a.seq_len),
+            "--lr", str(a.lr), "--warmup", str(a.warmup),
+            "--eval-every", str(eval_every or steps),
+            "--eval-sequences", str(a.eval_sequences), "--seed", str(seed), "--device", "cpu",
+            "--log-every", "0", *extra]
+
+
+def run(name: str, args: list[str], runs: Path, *, checkpoints: bool = False
+        ) -> dict[str, Any]:
+    """One run, or its completed record read back; an interrupted checkpointed run resumes."""
+    out = runs / name
+    summary_path = out / "summary.json"
+    if summary_path.is_file():
+        s = json.loads(summary_path.read_text())
+        if s.get("status") == "completed":
+            return record(name, out, s, reused=True)
+    resume = checkpoints and (out / "checkpoints").is_dir() and any(
+        (out / "checkpoints").iterdir())
+    cmd = ([sys.executable, "-m", "noloco", "train", "--resume", str(out)] if resume else
+           [sys.executable, "-m", "noloco", "train", *args,
+            "--checkpoint-every", "200" if checkpoints else "0", "--out", str(out),
+            "--overwrite"])
+    t0 = time.perf_counter()
+    load = common.load_average()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    s = json.loads(summary_path.read_text())
+    rec = record(name, out, s, reused=False)
+    rec["process_seconds"], rec["load_average_before"] = time.perf_counter() - t0, load
+    print(f"{name}: val {s['final_val_loss']:.4f}, {s['bytes_sent_per_replica'] / 2**20:.1f} "
+          f"MiB/replica, {time.perf_counter() - t0:.0f} s", flush=True)
+    return rec
+
+
+def record(name: str, out: Path, s: dict[str, Any], reused: bool) -> dict[str, Any]:
+    curve = []
+    with open(out / "metrics.jsonl") as f:
+        for line in f:
+            if line.strip():
+                m = json.loads(line)
+                if m.get("val_loss") is not None:
+                    curve.append({k: m.get(k) for k in ("step", "val_loss", "weight_spread",
+                                                         "bytes_sent")})
+    keep = ("method", "replicas", "stages", "steps", "outer_steps", "sync_every",
+            "final_val_loss", "final_val_loss_per_replica", "bytes_sent_per_replica",
+            "weight_spread", "wall_seconds", "compute_utilisation")
+    return {"name": name, "summary": {k: s.get(k) for k in keep}, "curve": curve,
+            "reused": reused}
+
+
+def mean_std(xs: list[float]) -> dict[str, float]:
+    return {"mean": statistics.mean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else 0.0,
+            "n": len(xs), "values": xs}
+
+
+# ---- the parts ------------------------------------------------------------------------------
+
+def sweep_configs(a: argparse.Namespace) -> dict[str, tuple[str, tuple[str, ...], int]]:
+    """config name → (method, extra flags, replicas)."""
+    c: dict[str, tuple[str, tuple[str, ...], int]] = {
+        "ddp": ("ddp", (), a.replicas), "single": ("single", (), 1)}
+    hs = SWEEP_H if not a.quick else (5, 10)
+    for h in hs:
+        c[f"diloco_H{h}"] = ("diloco", ("--sync-every", str(h)), a.replicas)
+        c[f"noloco_H{h}"] = ("noloco", ("--sync-every", str(h)), a.replicas)
+    for h in (STREAMING_H if not a.quick else (8,)):
+        c[f"streaming_H{h}"] = ("streaming", ("--sync-every", str(h), "--fragments", "4",
+                                              "--overlap-steps", "1", "--quantize", "fp4"),
+                                a.replicas)
+    return c
+
+
+def part_sweep(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, (method, extra, n) in sweep_configs(a).items():
+        recs = [run(f"sweep-{name}-s{seed}", train_args(a, method, seed, replicas=n,
+                                                         extra=extra), runs)
+                for seed in range(a.seeds)]
+        out[name] = {"loss": mean_std([r["summary"]["final_val_loss"] for r in recs]),
+                     "bytes_sent_per_replica": recs[0]["summary"]["bytes_sent_per_replica"],
+                     "runs": recs}
+    return out
+
+
+def part_grid(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"diloco": [], "noloco": []}
+    for method, grid in (("diloco", DILOCO_GRID), ("noloco", NOLOCO_GRID)):
+        for x, y in (grid if not a.quick else grid[:2]):
+            # DiLoCo: (outer lr, momentum μ); NoLoCo: (α = momentum, β = outer lr).
+            lr, mom = (x, y) if method == "diloco" else (y, x)
+            extra = ("--sync-every", str(GRID_H if not a.quick else 5), "--outer-lr", str(lr),
+                     "--outer-momentum", str(mom))
+            recs = [run(f"grid-{method}-{x}-{y}-s{seed}", train_args(a, method, seed,
+                                                                     extra=extra), runs)
+                    for seed in range(a.grid_seeds)]
+            out[method].append({"point": [x, y], "paper_default": [x, y] == list(PAPER[method]),
+                                "loss": mean_std([r["summary"]["final_val_loss"]
+                                                  for r in recs])})
+    for method in ("diloco", "noloco"):
+        pts = out[method]
+        best = min(pts, key=lambda p: p["loss"]["mean"])
+        paper = next((p for p in pts if p["paper_default"]), None)
+        out[f"{method}_best"] = best["point"]
+        if paper is not None:
+            out[f"{method}_paper_minus_best"] = paper["loss"]["mean"] - best["loss"]["mean"]
+    return out
+
+
+def part_long(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    steps, h = a.long_steps, a.long_sync_every
+    every = max(steps // 20, 1)
+    if every % h == 0:  # evaluate mid-phase too, not only right after outer steps
+        every += h // 2
+    base = {"steps": steps, "batch_size": a.long_batch_size, "eval_every": every}
+    configs = {
+        "noloco": ("noloco", ("--sync-every", str(h))),
+        "diloco": ("diloco", ("--sync-every", str(h))),
+        "independent": ("diloco", ("--sync-every", str(steps + 1))),
+        "noloco_2stages_random": ("noloco", ("--sync-every", str(h), "--stages", "2",
+                                             "--routing", "random")),
+        "noloco_2stages_fixed": ("noloco", ("--sync-every", str(h), "--stages", "2",
+                                            "--routing", "fixed")),
+    }
+    out = {}
+    for name, (method, extra) in configs.items():
+        out[name] = run(f"long-{name}", train_args(a, method, 0, extra=extra, **base), runs,
+                        checkpoints=True)
+    rnd = {c["step"]: c["weight_spread"] for c in out["noloco_2stages_random"]["curve"]}
+    fix = {c["step"]: c["weight_spread"] for c in out["noloco_2stages_fixed"]["curve"]}
+    out["random_vs_fixed_spread_reduction"] = {
+        s: 1 - rnd[s] / fix[s] for s in sorted(rnd) if s in fix and fix[s]}
+    return out
+
+
+# ---- targets --------------------------------------------------------------------------------
+
+def judge(sweep: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, from the sweep's means and seed spreads."""
+    single, ddp = sweep["single"]["loss"], sweep["ddp"]["loss"]
+    hs = sorted(int(k.split("H")[1]) for k in sweep if k.startswith("diloco_H"))
+    per_h = {}
+    for h in hs:
+        d, n = sweep[f"diloco_H{h}"]["loss"], sweep[f"noloco_H{h}"]["loss"]
+        per_h[h] = {
+            "noloco_over_diloco": n["mean"] / d["mean"] - 1,
+            "noloco_within_2pct_of_diloco": n["mean"] <= 1.02 * d["mean"],
+            # below the single replica by more than the seeds' spread (the larger of the two)
+            "diloco_below_single": single["mean"] - d["mean"] > max(d["std"], single["std"]),
+            "noloco_below_single": single["mean"] - n["mean"] > max(n["std"], single["std"]),
+            "noloco_over_ddp": n["mean"] / ddp["mean"] - 1,
+        }
+    small = [h for h in hs if h <= 20]
+    return {
+        "per_h": per_h,
+        "noloco_within_2pct_of_diloco_at_every_h": all(
+            v["noloco_within_2pct_of_diloco"] for v in per_h.values()),
+        "both_below_single_at_h_le_20": all(
+            per_h[h]["diloco_below_single"] and per_h[h]["noloco_below_single"] for h in small),
+        "noloco_within_10pct_of_ddp_at": [h for h, v in per_h.items()
+                                          if v["noloco_over_ddp"] <= 0.10],
+    }
+
+
+# ---- plots ----------------------------------------------------------------------------------
+
+def plot(res: dict[str, Any], path: Path) -> Path | None:
+    plt = common.pyplot()
+    if plt is None:
+        return None
+    panels = [p for p in ("sweep", "long") if p in res]
+    fig, axes = plt.subplots(1, 2 * ("sweep" in res) + ("long" in res),
+                             figsize=(5.5 * (2 * ("sweep" in res) + ("long" in res)), 4))
+    axes = list(axes) if hasattr(axes, "__len__") else [axes]
+    i = 0
+    if "sweep" in panels:
+        sw = res["sweep"]
+        ax1, ax2 = axes[0], axes[1]
+        i = 2
+        for method, color in (("diloco", "C0"), ("noloco", "C1"), ("streaming", "C2")):
+            keys = sorted((k for k in sw if k.startswith(f"{method}_H")),
+                          key=lambda k: int(k.split("H")[1]))
+            if not keys:
+                continue
+            hs = [int(k.split("H")[1]) for k in keys]
+            m = [sw[k]["loss"]["mean"] for k in keys]
+            s = [sw[k]["loss"]["std"] for k in keys]
+            b = [max(sw[k]["bytes_sent_per_replica"], 1) / 2**20 for k in keys]
+            ax1.errorbar(hs, m, yerr=s, marker="o", capsize=3, color=color, label=method)
+            ax2.errorbar(b, m, yerr=s, marker="o", capsize=3, color=color, label=method)
+            for x, y, h in zip(b, m, hs, strict=True):
+                ax2.annotate(f"H{h}", (x, y), fontsize=7, xytext=(3, 3),
+                             textcoords="offset points")
+        for ref, style in (("ddp", "--"), ("single", ":")):
+            v = sw[ref]["loss"]
+            for ax in (ax1, ax2):
+                ax.axhline(v["mean"], ls=style, color="k", lw=1, label=f"{ref} "
+                           f"({v['mean']:.3f} ± {v['std']:.3f})")
+        ax2.scatter([sw["ddp"]["bytes_sent_per_replica"] / 2**20], [sw["ddp"]["loss"]["mean"]],
+                    color="k", marker="s")
+        ax1.set_xscale("log")
+        ax1.set_xlabel("H (inner steps per outer step)")
+        ax2.set_xscale("log")
+        ax2.set_xlabel("MiB sent per replica")
+        for ax in (ax1, ax2):
+            ax.set_ylabel("final validation loss (mean ± std over seeds)")
+        ax1.legend(fontsize=7)
+        ax1.set_title("validation loss against H")
+        ax2.set_title("the loss–communication frontier")
+    if "long" in panels:
+        ax = axes[i]
+        for name, rec in res["long"].items():
+            if not isinstance(rec, dict) or "curve" not in rec:
+                continue
+            pts = [(c["step"], c["weight_spread"]) for c in rec["curve"]
+                   if c.get("weight_spread") is not None and c["step"] > 0]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker=".", label=name)
+        ax.set_xlabel("inner step")
+        ax.set_ylabel("weight spread across replicas")
+        ax.set_yscale("symlog", linthresh=1e-4)
+        ax.legend(fontsize=7)
+        ax.set_title("long runs: weight spread")
+    return common.save_figure(fig, path)
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    json_path, png_path = common.out_paths("frontier", a.out_dir, a.quick)
+    rec = common.start_record("frontier", {k: v for k, v in vars(a).items()
+                                            if k not in ("out_dir", "runs_dir")})
+    runs = Path(a.runs_dir) if a.runs_dir else Path(tempfile.gettempdir()) / (
+        "noloco-frontier-quick" if a.quick else "noloco-frontier")
+    runs.mkdir(parents=True, exist_ok=True)
+    print(f"run directories: {runs} (kept: re-running resumes)", flush=True)
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {}
+    for part in a.parts:
+        res[part] = {"sweep": part_sweep, "grid": part_grid, "long": part_long}[part](a, runs)
+    if "sweep" in res:
+        res["targets"] = judge(res["sweep"])
+    common.write_json(json_path, common.finish_record(rec, res, time.perf_counter() - t0))
+    drawn = plot(res, png_path)
+    print(f"wrote {json_path}" + (f" and {drawn}" if drawn else " (no plot: no matplotlib)"))
+    if "targets" in res:
+        print(json.dumps({k: v for k, v in res["targets"].items() if k != "per_h"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
