@@ -158,6 +158,9 @@ class TrainConfig:
         "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
         "first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
+    tensorboard: bool = opt(
+        False, "also write every metric as TensorBoard events under OUT/tensorboard/ (needs "
+        "the 'tb' extra)")
     log_every: int = opt(
         10, "print a progress line every this many steps when not on a terminal (0: never)")
 
@@ -332,7 +335,7 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out",
+RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", "train.tensorboard",
              "train.overwrite", "train.checkpoint_every", "train.keep_checkpoints",
              "train.max_restarts", "train.inject_fault", "method.comm_timeout",
              "method.stall_warning")

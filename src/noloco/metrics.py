@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -176,6 +177,40 @@ class Progress:
             f"noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
         ]
         print("\n".join(lines), flush=True)
+
+
+class TensorBoard:
+    """Every metric of every evaluation as TensorBoard scalars in ``OUT/tensorboard/`` (rank
+    0): losses (and each replica's validation loss), bytes, blocked seconds, weight spread,
+    activation bytes, against the inner step. A resumed run purges the events after its
+    checkpoint, as it rewrites metrics.jsonl."""
+
+    SCALARS = ("train_loss", "val_loss", "bytes_sent", "sync_seconds", "weight_spread",
+               "activation_bytes", "tokens", "wall_seconds")
+
+    def __init__(self, out: str, start_step: int = 0) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            from noloco.config import ConfigError
+            raise ConfigError("--tensorboard needs the 'tb' extra: "
+                              "pip install 'noloco[tb]'") from None
+        self.writer = SummaryWriter(str(Path(out) / "tensorboard"),
+                                    purge_step=start_step or None)
+
+    def log(self, rec: dict[str, Any]) -> None:
+        step = int(rec["step"])
+        for key in self.SCALARS:
+            v = rec.get(key)
+            if v is not None and v == v:  # no NaN (no training loss at step 0)
+                self.writer.add_scalar(key, float(v), step)
+        for r, v in enumerate(rec.get("val_loss_per_replica") or []):
+            if v is not None and v == v:
+                self.writer.add_scalar(f"val_loss_per_replica/{r}", float(v), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _peak_rss_bytes() -> float:

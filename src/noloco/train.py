@@ -24,7 +24,7 @@ from noloco.config import Config, ConfigError
 from noloco.distributed import DistContext, Layout, make_comms
 from noloco.faults import FaultInjector, parse_faults
 from noloco.methods import build_method
-from noloco.metrics import Progress, gather_metrics, gather_scalars, run_summary
+from noloco.metrics import Progress, TensorBoard, gather_metrics, gather_scalars, run_summary
 from noloco.model import build, count_params, lm_loss, preset
 from noloco.rundir import RunDir
 from noloco.watchdog import Watchdog
@@ -144,6 +144,7 @@ class Trainer:
                                        weight_decay=o.weight_decay)
         torch.manual_seed(t.seed * 1009 + lay.rank)  # dropout differs per worker, on purpose
         self.watchdog = None
+        self.tensorboard: TensorBoard | None = None
         if ctx.store is not None:
             self.watchdog = Watchdog(ctx.store, lay.rank, ctx.attempt, lay.describe,
                                      m.stall_warning).start()
@@ -241,6 +242,10 @@ class Trainer:
                    wall_seconds=self.loop_seconds())
         if self.lay.rank == 0:
             self.rundir.append_metrics(rec)
+            if self.cfg.train.tensorboard:
+                if self.tensorboard is None:  # the first evaluation of this (resumed) run
+                    self.tensorboard = TensorBoard(str(self.cfg.train.out), start_step=step)
+                self.tensorboard.log(rec)
             log.eval_line(rec)
         st.metric_lines += 1
         st.last_eval_step = step
@@ -350,6 +355,8 @@ class Trainer:
                 "method": cfg.method.method})
 
     def close(self, ok: bool) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         try:
             self.ckpt.close(wait=ok)
         finally:

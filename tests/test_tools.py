@@ -1,0 +1,87 @@
+"""The user's tools around a finished run: generate, report, TensorBoard."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from run_utils import train
+
+from noloco.cli import main
+from noloco.generate import generate
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    from conftest import SHAKESPEARE as shakespeare
+
+    if not shakespeare.is_file():
+        pytest.skip("../shared/data/tinyshakespeare.txt is not beside this checkout")
+    root = tmp_path_factory.mktemp("runs")
+    out = {"single": root / "single", "diloco": root / "diloco"}
+    assert train(out["single"], shakespeare, "--steps", "4", "--eval-every", "2",
+                 "--checkpoint-every", "0") == 0
+    assert train(out["diloco"], shakespeare, "--method", "diloco", "--replicas", "2",
+                 "--sync-every", "2", "--steps", "4", "--eval-every", "2",
+                 "--checkpoint-every", "0") == 0
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_generate_samples_text_deterministically(runs, capsys) -> None:
+    a = generate(runs["single"], "ROMEO:", max_tokens=30, seed=1)
+    assert a == generate(runs["single"], "ROMEO:", max_tokens=30, seed=1)
+    assert 0 < len(a) <= 30  # byte tokens: at most one character each (bad UTF-8 → U+FFFD)
+    assert generate(runs["single"], "x", max_tokens=5, temperature=0) == generate(
+        runs["single"], "x", max_tokens=5, temperature=0, seed=99)  # greedy ignores the seed
+    # DiLoCo's final weights: the average (default) and each replica.
+    assert generate(runs["diloco"], "a", max_tokens=5, which="replica-1")
+    assert main(["generate", str(runs["diloco"]), "--prompt", "To be", "--max-tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+
+
+@pytest.mark.timeout(60)
+def test_generate_bad_input_is_one_line(runs, tmp_path, capsys) -> None:
+    assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
+    assert main(["generate", str(runs["diloco"]), "--prompt", "x", "--which", "replica-7"]) == 2
+    assert main(["generate", str(runs["single"]), "--prompt", "x", "--top-k", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("noloco: error: ") for e in err)
+
+
+@pytest.mark.timeout(120)
+def test_report_compares_runs(runs, tmp_path, capsys) -> None:
+    out = tmp_path / "report"
+    assert main(["report", str(runs["single"]), str(runs["diloco"]), "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    rows = [x for x in md.splitlines() if x.startswith("| single") or x.startswith("| diloco")]
+    assert len(rows) == 2 and "| diloco | diloco | 2 | 1 | 2 |" in md
+    if importlib.util.find_spec("matplotlib"):
+        pngs = sorted(p.name for p in out.glob("*.png"))
+        assert pngs == ["val_loss_bytes.png", "val_loss_tokens.png", "val_loss_wall.png",
+                        "weight_spread.png"]
+        assert all((out / p).stat().st_size > 5000 for p in pngs)
+    assert main(["report", str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(240)
+def test_tensorboard_events_hold_every_metric(tmp_path, shakespeare) -> None:
+    pytest.importorskip("tensorboard", reason="the 'tb' extra")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    assert train(out, shakespeare, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
+                 "--steps", "4", "--eval-every", "2", "--checkpoint-every", "0",
+                 "--tensorboard") == 0
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"val_loss", "train_loss", "bytes_sent", "sync_seconds", "weight_spread",
+            "val_loss_per_replica/0", "val_loss_per_replica/1"} <= tags
+    assert [e.step for e in acc.Scalars("val_loss")] == [0, 2, 4]
+    assert [e.step for e in acc.Scalars("train_loss")] == [2, 4]  # none before training
+    from run_utils import metrics
+    last = metrics(out)[-1]
+    assert acc.Scalars("val_loss")[-1].value == pytest.approx(last["val_loss"], rel=1e-6)
