@@ -85,3 +85,35 @@ def test_tensorboard_events_hold_every_metric(tmp_path, shakespeare) -> None:
     from run_utils import metrics
     last = metrics(out)[-1]
     assert acc.Scalars("val_loss")[-1].value == pytest.approx(last["val_loss"], rel=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, capsys) -> None:
+    pytest.importorskip("transformers", reason="the 'hf' extra")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from noloco.checkpoint import load_model
+    from noloco.data import ByteTokenizer
+
+    out = tmp_path / "hf"
+    assert main(["export", str(runs["diloco"]), str(out), "--which", "replica-1"]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ours = load_model(runs["diloco"], "replica-1").eval()
+    x = torch.randint(0, 257, (2, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, ours(x), rtol=0, atol=1e-5)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    text = "Thou art, wörld!\n\t\x01ÿ"
+    ids = [int(i) for i in ByteTokenizer().encode(text)]
+    assert tok.encode(text, add_special_tokens=False) == ids and tok.decode(ids) == text
+    assert tok.eos_token_id == 256 == hf.config.eos_token_id
+    # generate reads the exported directory too, and gives the run's own greedy text.
+    assert generate(out, "ab", max_tokens=6, temperature=0) == generate(
+        runs["diloco"], "ab", max_tokens=6, temperature=0, which="replica-1")
+    # An existing non-empty directory is refused, nothing overwritten.
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(["export", str(runs["single"]), str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert (out / "model.safetensors").stat().st_mtime_ns == before

@@ -72,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "models: NoLoCo, DiLoCo, Streaming DiLoCo and data parallel.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     _train_parser(sub)
+    from noloco.export import add_subparser as add_export
     from noloco.generate import add_subparser as add_generate
     from noloco.report import add_subparser as add_report
     add_generate(sub)
+    add_export(sub)
     add_report(sub)
     try:
         from noloco.netsim.cli import add_subparsers as add_netsim
