@@ -76,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny only, H 5, 2 outer steps, one repeat")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     a = p.parse_args(argv)
     if a.quick:
         a.presets, a.sync_every, a.outer_steps, a.repeats, a.kill_step = (
@@ -248,7 +249,7 @@ def plot(results: dict[str, Any], path: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    json_path, png_path = common.out_paths("checkpoint", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("checkpoint", a.out_dir, a.quick, a.record)
     rec = common.start_record("checkpoint", vars(a))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

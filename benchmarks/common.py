@@ -1,6 +1,7 @@
 """Shared helpers of the benchmark scripts: the self-describing record, JSON, statistics, plots.
 
-Every benchmark writes one JSON record into ``benchmarks/results/`` holding what it measured
+Every benchmark writes one JSON record (into ``benchmarks/results/`` with ``--record``, else
+into the scratch directory, so a re-run never overwrites the record) holding what it measured
 together with everything needed to judge and re-run it: the full config, the exact command
 line, Python / torch / numpy versions, the CPU model, core count, memory, the load average of
 the machine while it ran (other processes share it), the git commit, and the date.
@@ -27,7 +28,11 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 RESULTS = BENCH_DIR / "results"
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+DEFAULT_DATA = "builtin"
+"""Data every clone has (noloco's built-in corpus). Records taken on another text say so in
+their command (``--data``)."""
+SCRATCH = Path(tempfile.gettempdir()) / "noloco-bench"
+"""Where a run writes unless it is --record-ed (or given --out-dir): never over the record."""
 
 
 def cpu_model() -> str:
@@ -182,15 +187,31 @@ def save_figure(fig: Any, path: Path) -> Path:
     return path
 
 
-def out_paths(name: str, out_dir: str | Path | None, quick: bool) -> tuple[Path, Path]:
-    """JSON and PNG paths of a benchmark. A --quick smoke run goes to the temporary directory
-    unless ``out_dir`` is given, so it never overwrites (or clutters) the recorded results."""
+def out_paths(name: str, out_dir: str | Path | None, quick: bool, record: bool = False
+              ) -> tuple[Path, Path]:
+    """JSON and PNG paths of a benchmark: ``out_dir`` if given; ``benchmarks/results/`` (the
+    committed record) only with ``--record``; else the scratch directory, so re-running a
+    benchmark never overwrites the record by accident. --quick adds a suffix."""
     if out_dir:
         d = Path(out_dir)
+    elif record and not quick:
+        d = RESULTS
     else:
-        d = Path(tempfile.gettempdir()) / "noloco-bench" if quick else RESULTS
+        d = SCRATCH
     stem = f"{name}_quick" if quick else name
     return d / f"{stem}.json", d / f"{stem}.png"
+
+
+def add_record_flag(p: Any) -> None:
+    p.add_argument("--record", action="store_true",
+                   help="write the JSON and PNG into benchmarks/results/ (the committed record); "
+                   "default: the scratch directory " + str(SCRATCH))
+
+
+def check_data(p: Any, data: str) -> None:
+    """argparse error unless ``data`` is 'builtin', an existing path or hf:..."""
+    if data != "builtin" and not data.startswith("hf:") and not Path(data).exists():
+        p.error(f"data not found: {data} (the default, 'builtin', needs no file)")
 
 
 def run_noloco_timed(args: Sequence[str], out: Path) -> tuple[list[float], dict[str, Any]]:

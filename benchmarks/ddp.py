@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="runs of each side (alternating)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 replicas, 8 steps, once")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     p.add_argument("--torch-rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.torch_rank is not None:
         torch_rank(a)
         return 0
-    json_path, png_path = common.out_paths("ddp", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("ddp", a.out_dir, a.quick, a.record)
     rec = common.start_record("ddp", vars(a))
     t0 = time.perf_counter()
     tokens = a.replicas * a.batch_size * a.seq_len

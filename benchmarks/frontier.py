@@ -48,7 +48,8 @@ PAPER = {"diloco": (0.7, 0.9), "noloco": (0.5, 0.7)}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA), help="training text file")
+    p.add_argument("--data", default=str(common.DEFAULT_DATA),
+                   help="training text (default: the built-in corpus)")
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     p.add_argument("--replicas", type=int, default=4)
     p.add_argument("--steps", type=int, default=200, help="inner steps of sweep/grid runs")
@@ -66,14 +67,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run directories, kept for resuming (default: the temp directory)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.steps, a.batch_size, a.seq_len, a.warmup = 2, 20, 2, 32, 2
         a.seeds, a.grid_seeds, a.long_steps, a.long_batch_size = 1, 1, 40, 2
         a.long_sync_every, a.eval_sequences = 10, 4
-    if not Path(a.data).is_file():
-        p.error(f"data file not found: {a.data}")
+    common.check_data(p, a.data)
     if a.replicas < 2 or a.replicas % 2:
         p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
     return a
@@ -317,7 +318,7 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    json_path, png_path = common.out_paths("frontier", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("frontier", a.out_dir, a.quick, a.record)
     rec = common.start_record("frontier", {k: v for k, v in vars(a).items()
                                             if k not in ("out_dir", "runs_dir")})
     runs = Path(a.runs_dir) if a.runs_dir else Path(tempfile.gettempdir()) / (

@@ -49,7 +49,8 @@ COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA), help="training text file")
+    p.add_argument("--data", default=str(common.DEFAULT_DATA),
+                   help="training text (default: the built-in corpus)")
     p.add_argument("--preset", default="tiny", help="model preset")
     p.add_argument("--replicas", type=int, default=4, help="replicas N per stage")
     p.add_argument("--stages", type=int, default=2, help="pipeline stages P")
@@ -73,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "below the core count (the machine may be shared)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 x 2, 6 steps")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.stages, a.steps, a.sync_every, a.eval_every = 2, 2, 6, 3, 3
@@ -86,8 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--stages must be >= 2 (this benchmark is about pipelines)")
     if a.replicas < 2 or a.replicas % 2:
         p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
-    if not Path(a.data).is_file():
-        p.error(f"data file not found: {a.data}")
+    common.check_data(p, a.data)
     return a
 
 
@@ -211,7 +212,7 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    json_path, png_path = common.out_paths("pipeline", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("pipeline", a.out_dir, a.quick, a.record)
     config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "runs_dir")}
     config["tokens_per_replica"] = a.steps * a.batch_size * a.seq_len
     rec = common.start_record("pipeline", config)

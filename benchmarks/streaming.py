@@ -75,7 +75,8 @@ RUNS: dict[str, list[str]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA), help="training text file")
+    p.add_argument("--data", default=str(common.DEFAULT_DATA),
+                   help="training text (default: the built-in corpus)")
     p.add_argument("--preset", default="tiny", help="model preset")
     p.add_argument("--replicas", type=int, default=4, help="replicas N (processes)")
     p.add_argument("--steps", type=int, default=96, help="inner steps per replica")
@@ -99,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the run directories here (default: a temporary directory)")
     p.add_argument("--quick", action="store_true", help="smoke run: 2 replicas, 16 steps, H 8")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.steps, a.sync_every, a.batch_size, a.eval_batches, a.warmup = (
@@ -109,8 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
     if a.sync_every % 4 or a.steps < a.sync_every or a.shaped_steps < a.sync_every:
         p.error("--sync-every must be divisible by 4 (fragments) and at most the steps")
-    if not Path(a.data).is_file():
-        p.error(f"data file not found: {a.data}")
+    common.check_data(p, a.data)
     return a
 
 
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         overlap_worker(sys.argv[2])
         return 0
     a = parse_args(argv)
-    json_path, png_path = common.out_paths("streaming", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("streaming", a.out_dir, a.quick, a.record)
     config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "runs_dir")}
     rec = common.start_record("streaming", config)
     t0 = time.perf_counter()

@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: N = 2, sizes 1000 and 100000, few repetitions")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     a = p.parse_args(argv)
     if a.quick:
         a.procs = [2] if a.procs == [2, 4, 8] else a.procs
@@ -240,7 +241,7 @@ def plot(cases: list[dict[str, Any]], path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     sizes = a.sizes or [tiny_param_count(), LARGE]
-    json_path, png_path = common.out_paths("sync_latency", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("sync_latency", a.out_dir, a.quick, a.record)
     config = {k: v for k, v in vars(a).items() if k != "out_dir"}
     config.update(sizes=sizes, threads_per_process=1, backend="gloo", address="127.0.0.1")
     rec = common.start_record("sync_latency", config)

@@ -48,7 +48,8 @@ TARGET_MEMORY = 1.10
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA), help="training text file")
+    p.add_argument("--data", default=str(common.DEFAULT_DATA),
+                   help="training text (default: the built-in corpus)")
     p.add_argument("--preset", default="tiny", help="model preset (noloco.model.PRESETS)")
     p.add_argument("--steps", type=int, default=60, help="training steps per run")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
@@ -65,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run noloco once under cProfile and record its top functions")
     p.add_argument("--quick", action="store_true", help="smoke run: few steps, one repeat")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     p.add_argument("--worker", choices=("bare", "noloco"), help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -78,8 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= a.cpus <= common.cores():
         p.error(f"--cpus must lie in 0..{common.cores()}")
-    if not Path(a.data).is_file():
-        p.error(f"data file not found: {a.data}")
+    common.check_data(p, a.data)
     return a
 
 
@@ -98,7 +99,13 @@ def bare_worker(a: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(common.cores())  # as noloco single: all the cores it may use
     torch.set_num_interop_threads(1)
-    raw = np.frombuffer(Path(a.data).read_bytes(), dtype=np.uint8)
+    if a.data == "builtin":  # the same text noloco reads: its built-in documents, as bytes
+        from noloco.data import builtin_documents
+
+        text = b"".join(t.encode("utf-8") for _, t in builtin_documents())
+    else:
+        text = Path(a.data).read_bytes()
+    raw = np.frombuffer(text, dtype=np.uint8)
     tokens = torch.from_numpy(raw.astype(np.int64))
     model = build(preset(a.preset, vocab_size=257), seed=0)  # 256 bytes + end-of-document
     params = list(model.parameters())
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         r = bare_worker(a) if a.worker == "bare" else noloco_worker(a)
         print(json.dumps(r))
         return 0
-    json_path, png_path = common.out_paths("throughput", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("throughput", a.out_dir, a.quick, a.record)
     config = {k: v for k, v in vars(a).items() if k not in ("worker", "run_dir", "out_dir")}
     config["tokens_per_step"] = a.batch_size * a.seq_len
     config["noloco_command"] = "noloco " + " ".join(noloco_argv(a, Path("TMP")))

@@ -84,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="runs of each side per case")
     p.add_argument("--quick", action="store_true", help="smoke run: H 8, 2 outer steps, once")
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default benchmarks/results; --quick: the temporary directory)")
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    common.add_record_flag(p)
     p.add_argument("--ft-worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if have != TORCHFT_VERSION:
         print(f"vs_torchft: needs torchft {TORCHFT_VERSION}, found {have}", file=sys.stderr)
         return 2
-    json_path, png_path = common.out_paths("vs_torchft", a.out_dir, a.quick)
+    json_path, png_path = common.out_paths("vs_torchft", a.out_dir, a.quick, a.record)
     rec = common.start_record("vs_torchft", vars(a))
     rec["torchft"] = have
     t0 = time.perf_counter()

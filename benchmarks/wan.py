@@ -61,7 +61,7 @@ PREFIX = "nlcw"
 OPS = ("allreduce", "exchange", "exchange_send_first")
 SUBNET = "10.77.0.0/24"
 PORT = 29511
-DATA = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+DATA = "builtin"  # every clone has it; the recorded run names its --data
 
 
 # ---- the model's prediction ----------------------------------------------------------------
@@ -404,12 +404,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync-every", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--data", type=Path, default=DATA)
+    ap.add_argument("--data", default=DATA, help="training text (default: built-in corpus)")
     ap.add_argument("--no-train", action="store_true", help="skip part (b)")
     ap.add_argument("--train-hetero", action="store_true",
                     help="part (b) on the heterogeneous links too (about +8 min on 2 cores)")
     ap.add_argument("--quick", action="store_true", help="fewer cases, for a smoke run")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output directory (default: the scratch directory; "
+                    "benchmarks/results with --record)")
+    ap.add_argument("--record", action="store_true",
+                    help="write into benchmarks/results/ (the committed record)")
     args = ap.parse_args(argv)
     if args.worker:
         worker_main(args.worker)
@@ -463,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"x{ex['speedup_mean']:.2f}, slowest worker x{ex['speedup_max']:.2f}",
                           flush=True)
         if not args.no_train:
-            if not args.data.is_file():
+            if args.data != "builtin" and not Path(args.data).is_file():
                 print(f"(b) skipped: no data at {args.data}")
             else:
                 lat = record["sync"][0]["latency_s"]
@@ -479,6 +483,10 @@ def main(argv: list[str] | None = None) -> int:
     record["machine"]["loadavg_end"] = os.getloadavg()
     record["seconds"] = time.perf_counter() - t_start
     record["targets"] = targets(record)
+    if args.out is None:
+        import common
+
+        args.out = HERE / "results" if args.record and not args.quick else common.SCRATCH
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "wan_quick" if args.quick else "wan"
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
