@@ -9,6 +9,8 @@ worker), the same tokens per replica for every method, a fixed validation set
   τ = 1, fp4) at two H, DDP and one replica alone as reference lines; 3 seeds each.
 - ``grid``: DiLoCo's outer (lr, momentum) and NoLoCo's (α, β) on a small grid at H = 20,
   2 seeds each (the paper defaults are points of the grid).
+- ``why``: the outer step replaced by plain averaging at H = 5 and 20 (3 seeds): what the
+  paper defaults' outer momentum costs or buys at small scale.
 - ``long``: 2,000 steps of NoLoCo, DiLoCo and independent replicas (weight spread over time,
   NoLoCo paper Fig. 3B), and NoLoCo with 2 pipeline stages, random against fixed routing
   (paper Fig. 4).
@@ -37,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-PARTS = ("sweep", "grid", "long")
+PARTS = ("sweep", "grid", "long", "why")
 SWEEP_H = (5, 10, 20, 50, 100)
 STREAMING_H = (20, 100)
 GRID_H = 20
@@ -197,6 +199,25 @@ def part_grid(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     return out
 
 
+def part_why(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    """What the outer optimizer costs at small H: the sweep's settings with the outer step
+    reduced to plain averaging (DiLoCo outer lr 1, no momentum; NoLoCo α = 0, β = γ = 1:
+    each pair's plain average), 3 seeds each, next to the sweep's defaults."""
+    out: dict[str, Any] = {}
+    hs = (5, 20) if not a.quick else (5,)
+    for h in hs:
+        for name, method, extra in (
+                ("diloco_avg", "diloco", ("--outer-lr", "1", "--outer-momentum", "0")),
+                ("noloco_avg", "noloco", ("--outer-lr", "1", "--outer-momentum", "0"))):
+            recs = [run(f"why-{name}_H{h}-s{seed}", train_args(
+                a, method, seed, extra=("--sync-every", str(h), *extra)), runs)
+                for seed in range(a.seeds)]
+            out[f"{name}_H{h}"] = {
+                "loss": mean_std([r["summary"]["final_val_loss"] for r in recs]),
+                "bytes_sent_per_replica": recs[0]["summary"]["bytes_sent_per_replica"]}
+    return out
+
+
 def part_long(a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     steps, h = a.long_steps, a.long_sync_every
     every = max(steps // 20, 1)
@@ -328,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     res: dict[str, Any] = {}
     for part in a.parts:
-        res[part] = {"sweep": part_sweep, "grid": part_grid, "long": part_long}[part](a, runs)
+        res[part] = {"sweep": part_sweep, "grid": part_grid, "long": part_long,
+                     "why": part_why}[part](a, runs)
     if "sweep" in res:
         res["targets"] = judge(res["sweep"])
     common.write_json(json_path, common.finish_record(rec, res, time.perf_counter() - t0))
