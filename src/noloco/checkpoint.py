@@ -580,7 +580,8 @@ def write_model_index(run_dir: Path, model_args: Any, names: list[str], stages: 
     """``model/model.json``: how to rebuild the model and which files hold each version."""
     files = {n: [shard_name(n, s, stages) for s in range(stages)] for n in names}
     write_json_atomic(Path(run_dir) / MODEL_DIR / "model.json", {
-        "format": "noloco-model/1", "model_args": asdict(model_args), "files": files,
+        "format": "noloco-model/1",
+        "model_args": asdict(model_args) if model_args is not None else None, "files": files,
         "default": "average" if "average" in files else names[0], **extra})
 
 
@@ -605,6 +606,17 @@ def load_model(path: Path | str, which: str | None = None) -> torch.nn.Module:
     state: dict[str, torch.Tensor] = {}
     for f in index["files"][which]:
         state.update(load_file(str(model_dir / f)))
+    if not index["model_args"]:  # a Hugging Face model (--hf-model)
+        from noloco.hf import from_config_dict
+
+        hf_model = from_config_dict(index["hf_config"])
+        missing, _ = hf_model.load_state_dict(state, strict=False)
+        hf_model.hf.tie_weights()  # tied weights are saved once
+        tied = ({n for n, _ in hf_model.named_parameters(remove_duplicate=False)}
+                - {n for n, _ in hf_model.named_parameters()})  # aliases of a saved weight
+        if set(missing) - tied:
+            raise ValueError(f"{path}: the saved weights lack {sorted(set(missing))[:3]}")
+        return hf_model
     with torch.device("meta"):
         model = Transformer(ModelArgs(**index["model_args"]))
     model.load_state_dict(state, strict=True, assign=True)

@@ -41,6 +41,10 @@ def opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
 class ModelConfig:
     preset: str = opt("tiny", "model preset: tiny (~1M params), small (125M), medium, large")
     dropout: float = opt(0.0, "dropout probability inside the model")
+    hf_model: str | None = opt(
+        None, "train a Hugging Face causal LM from a local model directory or config.json "
+        "instead of a preset (weights loaded when present, else initialised from --seed; "
+        "one stage per replica)")
 
 
 @dataclass(kw_only=True)
@@ -227,16 +231,24 @@ class Config:
         _positive("--seq-len", d.seq_len)
         _positive("--eval-every", t.eval_every)
         _positive("--eval-sequences", t.eval_sequences)
-        if d.seq_len > PRESETS[self.model.preset].max_seq_len:
-            raise ConfigError(
-                f"--seq-len {d.seq_len} exceeds what preset {self.model.preset!r} can take "
-                f"({PRESETS[self.model.preset].max_seq_len})"
-            )
-        n_layers = PRESETS[self.model.preset].n_layers
+        if self.model.hf_model is not None:
+            from noloco import hf
+
+            hf_cfg = hf.load_config(self.model.hf_model)
+            what, max_len, n_layers = (f"--hf-model {self.model.hf_model}",
+                                       hf.max_positions(hf_cfg), hf.n_layers(hf_cfg))
+            if m.stages > 1:
+                raise ConfigError("--hf-model with --stages > 1: splitting a Hugging Face model "
+                                  "into pipeline stages is not supported yet")
+        else:
+            what = f"preset {self.model.preset!r}"
+            max_len = PRESETS[self.model.preset].max_seq_len
+            n_layers = PRESETS[self.model.preset].n_layers
+        if d.seq_len > max_len:
+            raise ConfigError(f"--seq-len {d.seq_len} exceeds what {what} can take ({max_len})")
         if m.stages > n_layers:
             raise ConfigError(
-                f"--stages {m.stages} is more than the {n_layers} blocks of preset "
-                f"{self.model.preset!r}"
+                f"--stages {m.stages} is more than the {n_layers} blocks of {what}"
             )
         for name, v in (("--lr", o.lr), ("--outer-lr", m.outer_lr),
                         ("--outer-momentum", m.outer_momentum), ("--gamma", m.gamma),
@@ -277,7 +289,7 @@ class Config:
         _positive("--fragments", m.fragments)
         if m.fragments > n_layers:
             raise ConfigError(f"--fragments {m.fragments} is more than the {n_layers} blocks "
-                              f"of preset {self.model.preset!r}")
+                              f"of {what}")
         if not 0.0 <= m.merge_alpha <= 1.0:
             raise ConfigError(f"--merge-alpha must lie in [0, 1], got {m.merge_alpha}")
         if m.overlap_steps < 0:

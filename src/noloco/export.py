@@ -124,11 +124,14 @@ def export(run_dir: str | Path, out_dir: str | Path, which: str | None = None,
         raise ConfigError(str(e.args[0])) from None
     args = index["model_args"]
     tok_spec = index.get("tokenizer", "bytes")
-    eos_id = args["vocab_size"] - 1  # bytes: 256; a tokenizer.json: its size (added by noloco)
     out.mkdir(parents=True, exist_ok=True)
-    llama_config(args, eos_id).save_pretrained(out)
-    save_file(hf_state_dict(model.state_dict(), args["n_heads"]),
-              str(out / "model.safetensors"), metadata={"format": "pt"})
+    if args is None:  # trained with --hf-model: already a transformers model
+        model.hf.save_pretrained(out)
+    else:
+        eos_id = args["vocab_size"] - 1  # bytes: 256; a tokenizer.json: its size + 1
+        llama_config(args, eos_id).save_pretrained(out)
+        save_file(hf_state_dict(model.state_dict(), args["n_heads"]),
+                  str(out / "model.safetensors"), metadata={"format": "pt"})
     if tok_spec == "bytes":
         byte_tokenizer().save_pretrained(out)
     else:

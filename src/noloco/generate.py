@@ -36,8 +36,14 @@ def _from_run(path: Path, which: str | None) -> _Sampler:
         raise ConfigError(str(e.args[0])) from None
     tok = make_tokenizer(index.get("tokenizer", "bytes"))
     model.eval()
+    if getattr(model, "args", None) is not None:
+        context = model.args.max_seq_len
+    else:  # a Hugging Face model trained with --hf-model
+        from noloco.hf import max_positions
+
+        context = max_positions(model.config)
     return _Sampler(lambda ids: model(ids)[:, -1], lambda t: [int(i) for i in tok.encode(t)],
-                    tok.decode, model.args.max_seq_len)
+                    tok.decode, context)
 
 
 def _from_hf(path: Path) -> _Sampler:

@@ -57,6 +57,8 @@ def fragment_parameters(named: list[tuple[str, torch.Tensor]] | nn.Module, n_lay
     for name, p in items:
         b = block_index(name)
         if b is None:
-            b = 0 if name.startswith("tok_embeddings") else n_layers - 1
+            # (Hugging Face models: ...embed_tokens / wte before the blocks)
+            b = 0 if name.startswith("tok_embeddings") or "embed" in name or ".wte." in name \
+                else n_layers - 1
         out[fragment_of_block(b, n_layers, fragments, pattern)].append(p)
     return out

@@ -126,9 +126,23 @@ class Trainer:
         self.val = [(x.to(device), y.to(device)) for x, y in data_mod.validation_batches(
             corpus.val, d.seq_len, t.eval_sequences, d.batch_size)]
         self.tokenizer_name = tokenizer.name
-        self.args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
-                           dropout=cfg.model.dropout)
-        model = build(self.args, device=device, seed=t.seed)
+        if cfg.model.hf_model is not None:
+            from noloco import hf
+
+            model = hf.build(cfg.model.hf_model, seed=t.seed, device=device)
+            vocab = int(model.config.vocab_size)
+            if tokenizer.vocab_size > vocab:
+                raise data_mod.DataError(
+                    f"the tokenizer has {tokenizer.vocab_size} tokens but --hf-model "
+                    f"{cfg.model.hf_model} only {vocab} embeddings")
+            self.args: Any = None
+            n_layers = hf.n_layers(model.config)
+        else:
+            self.args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
+                               dropout=cfg.model.dropout)
+            model = build(self.args, device=device, seed=t.seed)
+            n_layers = self.args.n_layers
+        self.model_module = model
         self.n_params_total = count_params(model)
         self.comm, self.world = make_comms(cfg, lay)
         if lay.stages > 1:
@@ -139,7 +153,7 @@ class Trainer:
         self.params = self.runner.parameters()
         # Named parameters let streaming methods cut fragments by block (global block names).
         self.method = build_method(m, self.runner.named_parameters(), self.comm, seed=t.seed,
-                                   n_layers=self.args.n_layers)
+                                   n_layers=n_layers)
         self.inner = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),
                                        weight_decay=o.weight_decay)
         torch.manual_seed(t.seed * 1009 + lay.rank)  # dropout differs per worker, on purpose
@@ -349,7 +363,9 @@ class Trainer:
             names.append("average")
         gather_scalars(self.world, lay, [0.0])  # every shard is on disk before the index
         if lay.rank == 0:
+            hf_config = (self.model_module.config.to_dict() if self.args is None else None)
             ckpt_mod.write_model_index(self.rundir.path, self.args, names, lay.stages, {
+                "hf_config": hf_config,
                 "tokenizer": cfg.data.tokenizer, "tokenizer_name": self.tokenizer_name,
                 "preset": cfg.model.preset, "step": self.state.step,
                 "method": cfg.method.method})

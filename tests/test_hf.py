@@ -1,0 +1,79 @@
+"""Hugging Face models in (--hf-model): every method trains one; weights are loaded when
+present; a run's model goes out (export) and comes back in unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from run_utils import metrics, summary, train
+
+from noloco.cli import main
+
+pytest.importorskip("transformers", reason="the 'hf' extra")
+
+
+def _tiny_llama(path: Path) -> Path:
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
+                tie_word_embeddings=False).save_pretrained(path)
+    return path
+
+
+METHODS = {
+    "single": [],
+    "ddp": ["--replicas", "2"],
+    "diloco": ["--replicas", "2", "--sync-every", "2"],
+    "noloco": ["--replicas", "2", "--sync-every", "4", "--fragments", "2"],
+    "streaming": ["--replicas", "2", "--sync-every", "4", "--fragments", "2", "--overlap-steps",
+                  "1", "--quantize", "fp4"],
+}
+
+
+@pytest.mark.timeout(400)
+def test_every_method_trains_a_hf_llama(tmp_path, shakespeare) -> None:
+    cfg = _tiny_llama(tmp_path / "llama")
+    for method, extra in METHODS.items():
+        out = tmp_path / method
+        assert train(out, shakespeare, "--hf-model", str(cfg), "--method", method, *extra,
+                     "--steps", "4", "--eval-every", "4", "--checkpoint-every", "0") == 0, method
+        s = summary(out)
+        # embeddings and head (untied), final norm, 2 blocks of attention, MLP and 2 norms
+        assert s["params"] == 32 * 257 * 2 + 32 + 2 * (4 * 32 * 32 + 3 * 32 * 64 + 2 * 32)
+        first, last = metrics(out)[0]["val_loss"], s["final_val_loss"]
+        assert last < first, method  # it learns
+        if method != "single":
+            assert s["bytes_sent_per_replica"] > 0
+            assert s["outer_steps"] >= 1 or method == "ddp"
+    index = json.loads((tmp_path / "diloco" / "model" / "model.json").read_text())
+    assert index["model_args"] is None and index["hf_config"]["model_type"] == "llama"
+
+
+@pytest.mark.timeout(300)
+def test_weights_are_loaded_and_export_round_trips(tmp_path, shakespeare) -> None:
+    src = tmp_path / "src"
+    assert train(src, shakespeare, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
+                 "--steps", "4", "--eval-every", "4", "--checkpoint-every", "0") == 0
+    assert main(["export", str(src), str(tmp_path / "hf")]) == 0
+    # The exported model, trained further with lr 0: its step-0 evaluation is the source run's
+    # final one (same weights, same validation sequences).
+    again = tmp_path / "again"
+    assert train(again, shakespeare, "--hf-model", str(tmp_path / "hf"), "--steps", "1",
+                 "--lr", "0", "--warmup", "0", "--checkpoint-every", "0") == 0
+    assert metrics(again)[0]["val_loss"] == pytest.approx(summary(src)["final_val_loss"],
+                                                          rel=1e-5)
+
+
+def test_hf_model_bad_input_is_one_line(tmp_path, shakespeare, capsys) -> None:
+    cfg = _tiny_llama(tmp_path / "llama")
+    assert main(["train", "--hf-model", str(cfg), "--stages", "2", "--replicas", "1",
+                 "--data", str(shakespeare), "--out", str(tmp_path / "x")]) == 2
+    assert main(["train", "--hf-model", str(tmp_path / "nowhere"), "--data", str(shakespeare),
+                 "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "pipeline stages is not supported" in err[0]
+    assert "--hf-model" in err[1]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
