@@ -32,3 +32,31 @@ def test_hf_diloco_example(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "done: diloco, 2 replicas" in proc.stdout and proc.stdout.rstrip().splitlines()[-1]
     assert (out / "model" / "model.json").is_file()
+
+
+@pytest.mark.timeout(300)
+def test_two_machines_recipe_in_two_network_namespaces(tmp_path, shakespeare) -> None:
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(f"no network namespaces here: {why}")
+    out = tmp_path / "run"
+    flags = ["--steps", "4", "--sync-every", "2", "--batch-size", "2", "--seq-len", "32",
+             "--eval-sequences", "2", "--log-every", "0", "--data", str(shakespeare),
+             "--out", str(out)]
+    import os
+    with netns.Namespaces([None, None], prefix="nlcx", subnet="10.79.0.0/24") as ns:
+        master = ns.workers[0].addr
+        procs = [ns.popen(i, ["bash", str(EXAMPLES / "two_machines.sh"), str(i), master,
+                              *flags],
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": ns.workers[i].ifname,
+                               "LOCAL_ADDR": ns.workers[i].addr},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], "\n".join(x[-2000:] for x in logs)
+    s = __import__("json").loads((out / "summary.json").read_text())
+    assert s["status"] == "completed" and s["replicas"] == 4 and s["outer_steps"] == 2
+    assert s["bytes_sent_per_replica"] > 0
