@@ -180,12 +180,17 @@ def test_ctrl_c_and_sigterm_end_in_one_line(tmp_path, shakespeare, method, repli
         [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
          "--method", method, "--replicas", replicas, "--steps", "100000", "--eval-every", "5",
          "--checkpoint-every", "5", "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         wait_for(lambda: C.complete_steps(out / "checkpoints", int(replicas)), 90, "training")
         pids = worker_pids(out)
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say where it hangs: faulthandler dumps on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail("no exit within 60 s of the signal; stacks:\n" + proc.communicate()[1])
     finally:
         proc.kill()
     assert proc.returncode == 128 + sig, err

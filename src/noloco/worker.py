@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -147,10 +148,15 @@ class QuietExit(Exception):
         self.code = code
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def _raise_interrupted(signum: int, _frame: Any) -> None:
-    # Once: a second SIGTERM while the first one unwinds (the launcher stopping every
-    # worker) would interrupt the clean-up, even inside a finaliser.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Once: a second SIGTERM or Ctrl-C while the first one unwinds (the launcher stopping
+    # every worker, an impatient user) would interrupt the clean-up, even inside a finaliser
+    # or the interpreter's exit, where an exception can leave a lock held and the exit hung.
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     raise Interrupted(signum)
 
 
@@ -198,10 +204,17 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
     """
     supervised = os.environ.get("NOLOCO_SUPERVISED") == "1"
     status = WorkerStatus(out=cfg.train.out)
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    # Only the main thread may install handlers (a test may call main from another).
+    handle = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS} if handle else {}
+
+    def restore() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
     try:
         run(cfg, resume, must_resume, status, rundir_ready)
-        signal.signal(signal.SIGTERM, previous)
+        restore()
         return 0
     except BaseException as e:  # noqa: BLE001 - every ending becomes an exit code
         if isinstance(e, SystemExit):
@@ -217,10 +230,10 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
             print(line, file=sys.stderr, flush=True)
         if not supervised and status.lay.rank == 0 and kind not in ("usage", "quiet"):
             _write_status(status, kind, line, culprit, code)
-        # SIGTERM stays ignored once it came (a checkpoint write may still be finishing on
-        # its thread, joined at exit); otherwise back to what the caller had.
+        # SIGTERM and SIGINT stay ignored once one came (a checkpoint write may still be
+        # finishing on its thread, joined at exit); otherwise back to what the caller had.
         if kind != "interrupted":
-            signal.signal(signal.SIGTERM, previous)
+            restore()
         return code
 
 
