@@ -149,6 +149,11 @@ class Communicator(ABC):
             self.load_state_dict(saved)
 
     # ---- collectives ---------------------------------------------------------------------
+    def members(self) -> list[int] | None:
+        """The ranks taking part in the next operation: None for all of them (a static
+        group; an elastic one, :mod:`noloco.elastic`, says who is alive)."""
+        return None
+
     def all_reduce_mean(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` in place over all ranks; blocks."""
         self.all_reduce_mean_async(tensor).wait()

@@ -116,6 +116,12 @@ class MethodConfig:
     stall_warning: float = opt(
         30.0, "seconds blocked on a peer before a worker prints, once, which rank it is waiting "
         "for")
+    elastic: bool = opt(
+        False, "replicas are fault domains: one that dies or stalls is dropped after "
+        "--peer-timeout and the others train on (noloco, diloco; one stage; local runs)")
+    peer_timeout: float = opt(
+        10.0, "elastic: seconds a replica waits for a group member before going on without it, "
+        "and silence after which a replica is dropped from the membership")
 
 
 def default_out() -> str:
@@ -156,6 +162,9 @@ class TrainConfig:
     max_restarts: int = opt(
         0, "restart the workers up to R times after one dies, from the newest checkpoint "
         "(local runs; under torchrun use torchrun's own --max-restarts)")
+    respawn: int = opt(
+        0, "elastic: start a replica that died again, up to R times in all; it fetches the live "
+        "state from a running replica and rejoins")
     inject_fault: str = opt(
         "", "testing tool: faults to inject, comma-separated: kill:REPLICA@STEP (SIGKILL), "
         "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), crash:REPLICA@STEP (an error), "
@@ -319,6 +328,26 @@ class Config:
         if t.checkpoint_every is not None and t.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {t.checkpoint_every}")
         _positive("--keep-checkpoints", t.keep_checkpoints)
+        if m.elastic:
+            if m.method not in ("noloco", "diloco", "streaming"):
+                raise ConfigError(f"--elastic applies to noloco, diloco and streaming, not "
+                                  f"{m.method}")
+            if m.stages > 1:
+                raise ConfigError("--elastic with --stages > 1 is not supported: activations "
+                                  "cross replicas every step, so a replica is not a fault domain "
+                                  "(docs/elastic.md)")
+            if m.quantize != "none" and m.method != "noloco":
+                raise ConfigError("--elastic with a quantised all-reduce is not supported "
+                                  "(use --quantize none, or noloco)")
+            if t.max_restarts:
+                raise ConfigError("--elastic replaces --max-restarts (the other replicas go on; "
+                                  "use --respawn to restart the dead one)")
+            if not m.peer_timeout > 0:
+                raise ConfigError("--peer-timeout must be > 0")
+        if t.respawn < 0:
+            raise ConfigError(f"--respawn must be >= 0, got {t.respawn}")
+        if t.respawn and not m.elastic:
+            raise ConfigError("--respawn needs --elastic")
         if t.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {t.max_restarts}")
         from noloco.faults import parse_faults
@@ -350,7 +379,7 @@ class Config:
 RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", "train.tensorboard",
              "train.overwrite", "train.checkpoint_every", "train.keep_checkpoints",
              "train.max_restarts", "train.inject_fault", "method.comm_timeout",
-             "method.stall_warning")
+             "method.stall_warning", "method.peer_timeout", "train.respawn")
 """Settings that may differ when a run is resumed: none of them changes the computed numbers
 (weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
 waits for peers."""

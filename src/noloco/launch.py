@@ -62,6 +62,9 @@ def under_torchrun() -> bool:
 def launch_local(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
     """Run the whole job on this machine; returns the exit code."""
     t = cfg.train
+    if cfg.method.elastic:
+        from noloco.elastic_launch import ElasticSupervisor
+        return ElasticSupervisor(cfg, resume, must_resume).run()
     if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
         from noloco.worker import main
         return main(cfg, resume, must_resume, rundir_ready=True)
@@ -105,7 +108,8 @@ class Supervisor:
         self.procs: dict[int, subprocess.Popen] = {}
 
     # ---- the run -----------------------------------------------------------------------------
-    def run(self) -> int:
+    def host_store(self) -> None:
+        """The run's c10d TCPStore, on 127.0.0.1 and a free port."""
         import torch.distributed as dist
 
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -116,6 +120,9 @@ class Supervisor:
             "127.0.0.1", self.port, self.world, True,
             timedelta(seconds=self.cfg.method.comm_timeout), wait_for_workers=False,
             master_listen_fd=sock.detach())
+
+    def run(self) -> int:
+        self.host_store()
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             restarts = self.cfg.train.max_restarts

@@ -144,7 +144,9 @@ class Trainer:
             n_layers = self.args.n_layers
         self.model_module = model
         self.n_params_total = count_params(model)
-        self.comm, self.world = make_comms(cfg, lay)
+        self.membership: Any = None
+        """an elastic run's :class:`noloco.elastic.Membership` (its heartbeats carry the step)"""
+        self.comm, self.world = self.make_comms()
         if lay.stages > 1:
             from noloco.pipeline import PipelineRunner
             self.runner: Any = PipelineRunner(model, cfg, lay, device)
@@ -172,6 +174,13 @@ class Trainer:
         self.t_loop = time.perf_counter()
         self.tokens_per_step = d.batch_size * d.seq_len
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    def make_comms(self) -> tuple[Communicator, Communicator]:
+        """(the method's communicator, the metrics communicator over all workers)"""
+        return make_comms(self.cfg, self.lay)
+
+    def between_steps(self) -> None:
+        """Called before every inner step (an elastic run serves joining replicas here)."""
 
     # ---- checkpoints ------------------------------------------------------------------------
     def capture(self) -> dict[str, Any]:
@@ -291,6 +300,7 @@ class Trainer:
             # uninterrupted run would have.
             self.evaluate(st.step, log)
         for step in range(st.step, t.steps):
+            self.between_steps()
             s0 = time.perf_counter()
             lr = lr_at(step, o.lr, o.warmup, o.schedule_steps)
             for g in inner.param_groups:
@@ -306,8 +316,9 @@ class Trainer:
             faults.pace(time.perf_counter() - s0)
             c1, blocked = time.perf_counter(), comm.sync_seconds - sync0
             st.step = self.status.step = step + 1
-            if self.watchdog is not None:
-                self.watchdog.step = st.step
+            for beat in (self.watchdog, self.membership):
+                if beat is not None:
+                    beat.step = st.step
             method.after_inner_step()
             st.peak_step_bytes = max(st.peak_step_bytes, comm.bytes_sent - bytes0)
             # Inner-step compute excludes the seconds blocked in the method's communication
@@ -323,6 +334,12 @@ class Trainer:
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.poll()
             faults.after_step(st.step)
+        return self.end(log)
+
+    def end(self, log: Progress) -> dict[str, Any] | None:
+        """After the last inner step: the last checkpoint, the final evaluation, the weights
+        and the summary."""
+        lay, t, method = self.lay, self.cfg.train, self.method
         w0 = time.perf_counter()
         self.ckpt.wait()  # the last checkpoint is on disk before the run says it completed
         self.ckpt.final_wait_seconds = time.perf_counter() - w0

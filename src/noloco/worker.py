@@ -53,6 +53,12 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
     0's summary.
     """
     status = status or WorkerStatus()
+    if cfg.method.elastic:
+        if os.environ.get("NOLOCO_ELASTIC") != "1":
+            raise ConfigError("--elastic runs under noloco's local launcher only (noloco train "
+                              "--elastic ...); not under torchrun yet")
+        from noloco import elastic_worker
+        return elastic_worker.run(cfg, status)
     cfg = cfg.resolved()
     m, t = cfg.method, cfg.train
     lay = Layout.from_env(m.replicas, m.stages)

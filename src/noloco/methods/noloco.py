@@ -39,12 +39,17 @@ from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync, decode, 
 from noloco.methods.wire import SLOW_FORMAT
 
 
+def permutation(exchange: int, n: int, seed: int = 0) -> np.ndarray:
+    """The random permutation of 0..n−1 that exchange ``exchange`` cuts into groups."""
+    return np.random.default_rng([seed, exchange, 0x6E6F6C6F]).permutation(n)
+
+
 def groups_at(exchange: int, replicas: int, group_size: int, seed: int = 0
               ) -> list[list[int]]:
     """The groups of exchange ``exchange``: identical on every rank that calls it."""
     if replicas % group_size:
         raise ValueError(f"{replicas} replicas are not divisible by group size {group_size}")
-    perm = np.random.default_rng([seed, exchange, 0x6E6F6C6F]).permutation(replicas)
+    perm = permutation(exchange, replicas, seed)
     k = replicas // group_size
     return [sorted(int(perm[g + j * k]) for j in range(group_size)) for g in range(k)]
 
@@ -96,8 +101,13 @@ class NoLoCo(OuterSync):
         and φ − φ⁰."""
         group = [0]
         if self.comm.size > 1:
-            groups = groups_at(self.exchanges, self.comm.size, self.group_size, self.seed)
-            group = next(g for g in groups if self.comm.rank in g)
+            members = self.comm.members()  # None: every replica (a static run)
+            if members is None:
+                groups = groups_at(self.exchanges, self.comm.size, self.group_size, self.seed)
+            else:  # an elastic run: the replicas alive in this exchange's snapshot
+                from noloco.elastic import groups_of
+                groups = groups_of(members, self.exchanges, self.group_size, self.seed)
+            group = next((g for g in groups if self.comm.rank in g), [self.comm.rank])
         self.exchanges += 1  # every replica counts every scheduled exchange, held or not
         if not frag.params:  # a pipeline stage may hold no block of this fragment
             return None
@@ -116,8 +126,11 @@ class NoLoCo(OuterSync):
         """g = γ·(φ_i − mean_G φ) − β·mean_G Δ, every mean summed in group order so every
         member of G computes the same bits."""
         group, peers, n = sync.extra
-        by_rank = dict(zip(peers, received, strict=True))
+        # An elastic exchange gives None for a member that did not take part: the mean is
+        # over the members that did (alone: over this replica only).
+        by_rank = {r: m for r, m in zip(peers, received, strict=True) if m is not None}
         by_rank[self.comm.rank] = sync.payload
+        group = [r for r in group if r in by_rank]
         msgs = [by_rank[r] for r in group]
         self.last_group = group
         if self.quantize != "none":

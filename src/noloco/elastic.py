@@ -1,0 +1,332 @@
+"""Elastic training: a replica is a fault domain (``--elastic``).
+
+In a static run all N workers share one ``torch.distributed`` world, and one dead or frozen
+process stops every replica. Here replicas share nothing but the run's c10d ``TCPStore``
+(hosted by the local launcher): no world process group, no collective over all replicas.
+
+Membership
+    Every replica writes a heartbeat into the store from a daemon thread (a frozen process
+    stops writing). A replica is *alive* while its newest heartbeat is younger than
+    ``--peer-timeout`` and it has not announced that it finished. Heartbeats carry wall-clock
+    times: replicas on different machines need clocks agreeing to well within the timeout
+    (NTP gives milliseconds).
+
+Snapshots: who takes part in operation c
+    Every replica issues the same sequence of operations (one per outer step or fragment
+    sync: the schedule is a function of the step alone), numbered c = 0, 1, ... The first
+    replica to reach operation c writes the list of replicas alive at that moment under the
+    store key of c with compare-and-set; every later replica reads that value back. Invariant:
+    the key is written once and never changed (compare-and-set on the store's server is
+    atomic), so every replica that reaches c sees the same list, draws the same groups from
+    it (a deterministic function of the list, the seed and c) and so the same partner — two
+    replicas can never disagree on who their partner is. No barrier is needed: nobody waits
+    for the snapshot, the first one fixes it.
+
+Arrival: who actually comes
+    A member of a group announces itself under the group's key for c and waits, at most
+    ``--peer-timeout``, for the others. Whoever first sees everyone (or runs out of time)
+    fixes the set of arrived members with compare-and-set; everyone reads that same set.
+    A replica that arrives after the set was fixed without it goes on alone (its weights
+    unchanged by the exchange). The members of the set build a gloo process group on a store
+    prefix named after c, the group and the attempt — exactly those members, no call on any
+    other process — and exchange. A member that dies during the exchange breaks the
+    connection (kill) or lets it time out (stall): NoLoCo averages with the members whose data
+    arrived; an all-reduce (DiLoCo) discards the step and retries among the survivors.
+
+With nobody failing every snapshot holds all replicas, every set is the whole group, and the
+values exchanged and summed are the static path's: elastic NoLoCo is bit-identical to static
+NoLoCo (a test checks).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from noloco.comm import Communicator, Pending, ring_all_reduce_bytes
+
+PREFIX = "noloco/elastic"
+
+
+def heartbeat_key(replica: int) -> str:
+    return f"{PREFIX}/hb/{replica}"
+
+
+def done_key(replica: int) -> str:
+    return f"{PREFIX}/done/{replica}"
+
+
+class Membership:
+    """Heartbeats of this replica and who is alive (see the module docstring)."""
+
+    def __init__(self, store: Any, replica: int, replicas: int, peer_timeout: float,
+                 incarnation: int = 0) -> None:
+        self.store, self.replica, self.replicas = store, replica, replicas
+        self.peer_timeout, self.incarnation = peer_timeout, incarnation
+        self.interval = min(1.0, peer_timeout / 5)
+        self.step = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Membership:
+        self.beat()
+        self._thread = threading.Thread(target=self._loop, name="noloco-membership",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self.store.set(heartbeat_key(self.replica), json.dumps(
+            {"t": time.time(), "step": self.step, "incarnation": self.incarnation}))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # noqa: BLE001 - the store may be gone with the run
+                return
+
+    def finish(self) -> None:
+        """Announce that this replica finished: nobody waits for it any more."""
+        self._stop.set()
+        try:
+            self.store.set(done_key(self.replica), "1")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def alive(self) -> list[int]:
+        now, out = time.time(), []
+        for r in range(self.replicas):
+            if r == self.replica:
+                out.append(r)
+                continue
+            if not self.store.check([heartbeat_key(r)]) or self.store.check([done_key(r)]):
+                continue
+            if now - json.loads(self.store.get(heartbeat_key(r)))["t"] <= self.peer_timeout:
+                out.append(r)
+        return out
+
+
+def groups_of(members: Sequence[int], exchange: int, group_size: int, seed: int = 0
+              ) -> list[list[int]]:
+    """The groups of ``exchange`` among ``members`` (a snapshot): the static draw
+    (:func:`noloco.methods.noloco.groups_at`) when every replica is a member; otherwise the
+    same rule on the members, with the ones left over joining the last group."""
+    from noloco.methods.noloco import permutation
+
+    members = sorted(members)
+    perm = permutation(exchange, len(members), seed)
+    k = len(members) // group_size
+    if k == 0:
+        return [members]
+    groups = [[members[int(perm[g + j * k])] for j in range(group_size)] for g in range(k)]
+    groups[-1] += [members[int(i)] for i in perm[k * group_size:]]
+    return [sorted(g) for g in groups]
+
+
+class ElasticCommunicator(Communicator):
+    """The method's communicator in an elastic run: every operation among the members of its
+    snapshot that arrive in time (module docstring). Ranks are replica numbers."""
+
+    def __init__(self, membership: Membership, peer_timeout: float) -> None:
+        super().__init__()
+        self.m, self.store = membership, membership.store
+        self.rank, self.size = membership.replica, membership.replicas
+        self.ranks = list(range(self.size))
+        self.peer_timeout = peer_timeout
+        self.calls = 0
+        """operations issued so far: the same sequence on every replica, so call c names the
+        same outer step (or fragment sync) everywhere"""
+        self.events: list[dict[str, Any]] = []
+        """who was missing from which operation (the run's summary lists them)"""
+        self.partial = 0
+        """operations done with fewer members than drawn"""
+        self.retries = 0
+        self.longest_wait = 0.0
+        """the most seconds one operation blocked (arrival and transfer together)"""
+
+    # ---- state (a joining replica takes the donor's operation count) -------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict({k: v for k, v in sd.items() if k != "calls"})
+        self.calls = int(sd.get("calls", 0))
+
+    # ---- who takes part ----------------------------------------------------------------------
+    def members(self) -> list[int]:
+        """The snapshot of the next operation (fixed by the first replica to reach it)."""
+        key = f"{PREFIX}/snap/{self.calls}"
+        got = self.store.compare_set(key, "", json.dumps(self.m.alive()))
+        return json.loads(got)
+
+    def _agree(self, call: int, group: Sequence[int], attempt: int) -> tuple[list[int], str]:
+        """The members of ``group`` that arrived in time (the same list for all of them; this
+        replica is not in it if it came too late), and the operation's store tag."""
+        tag = f"{PREFIX}/op/{call}/{attempt}/" + "-".join(map(str, group))
+        decided = f"{tag}/set"
+        arrived = {r: f"{tag}/in/{r}" for r in group}
+        self.store.set(arrived[self.rank], "1")
+        deadline = time.monotonic() + self.peer_timeout
+        t0 = time.perf_counter()
+        while True:
+            if self.store.check(list(arrived.values())):
+                proposal = list(group)
+                break
+            if self.store.check([decided]):
+                proposal = []  # somebody decided already: take theirs
+                break
+            if time.monotonic() > deadline:
+                proposal = [r for r in group if self.store.check([arrived[r]])]
+                break
+            time.sleep(0.002)
+        final = json.loads(self.store.compare_set(decided, "", json.dumps(proposal)))
+        self.last_agree_seconds = time.perf_counter() - t0
+        self.sync_seconds += self.last_agree_seconds
+        if len(final) < len(group):
+            self.partial += 1
+            late = self.rank not in final  # the others went on without this replica
+            self.events.append({"call": call, "step": self.m.step,
+                                "kind": "late" if late else "absent", "group": list(group),
+                                "missing": [r for r in group if r not in final and r != self.rank],
+                                "alone": late or len(final) == 1})
+        return final, tag
+
+    def _group(self, tag: str, final: list[int]) -> Any:
+        return dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.store),
+                                     final.index(self.rank), len(final),
+                                     timedelta(seconds=self.peer_timeout))
+
+    # ---- operations ----------------------------------------------------------------------------
+    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
+                       out: Sequence[torch.Tensor] | None = None) -> Pending:
+        """Like :meth:`TorchCommunicator.exchange_async`; the result has ``None`` for every
+        peer that did not take part (absent, or lost during the exchange)."""
+        call = self.calls
+        self.calls += 1
+        self.ops["exchange"] += 1
+        tensor = tensor.contiguous()
+        bufs = list(out) if out is not None else [torch.empty_like(tensor) for _ in peers]
+        group = sorted([self.rank, *peers])
+        final, tag = self._agree(call, group, 0)
+        present = [p for p in peers if p in final and self.rank in final]
+        self.longest_wait = max(self.longest_wait, self.last_agree_seconds)
+        if not present:
+            return _Done(self, [None] * len(peers))
+        try:
+            pg = self._group(tag, final)
+        except RuntimeError as e:  # a member that arrived died before connecting
+            self.events.append({"call": call, "step": self.m.step, "kind": "lost",
+                                "missing": present, "error": str(e).splitlines()[0][:200]})
+            return _Done(self, [None] * len(peers))
+        works = {}
+        for p in present:
+            # Receives first, as in TorchCommunicator.exchange_async (gloo's "ready" notice).
+            works[p] = [pg.recv([bufs[peers.index(p)]], final.index(p), 0)]
+        for p in present:
+            works[p].append(pg.send([tensor], final.index(p), 0))
+        self.bytes_sent += len(present) * tensor.numel() * tensor.element_size()
+        return _PeerWorks(self, call, pg, peers, bufs, works, self.last_agree_seconds)
+
+    def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
+        """The mean over the snapshot's replicas that arrive; a member lost during the
+        all-reduce discards it and the survivors retry among themselves. Done before
+        returning (no overlap)."""
+        call = self.calls
+        candidates = self.members()
+        self.calls += 1
+        self.ops["all_reduce"] += 1
+        if self.rank not in candidates:  # dropped while silent: this step alone
+            self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
+            return _Done(self, None)
+        original = tensor.clone()
+        start = time.perf_counter()
+        try:
+            return self._all_reduce(call, tensor, original, candidates)
+        finally:
+            self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
+
+    def _all_reduce(self, call: int, tensor: torch.Tensor, original: torch.Tensor,
+                    candidates: list[int]) -> Pending:
+        for attempt in range(len(candidates) + 1):
+            final, tag = self._agree(call, candidates, attempt)
+            if self.rank not in final or len(final) == 1:
+                tensor.copy_(original)
+                return _Done(self, None)
+            t0 = time.perf_counter()
+            try:
+                self._group(tag, final).allreduce([tensor]).wait()
+            except RuntimeError as e:  # a member died or stalled: discard, retry
+                self.sync_seconds += time.perf_counter() - t0
+                self.retries += 1
+                self.events.append({"call": call, "step": self.m.step, "kind": "lost",
+                                    "group": final, "error": str(e).splitlines()[0][:200]})
+                tensor.copy_(original)
+                candidates = final
+                continue
+            self.sync_seconds += time.perf_counter() - t0
+            self.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(),
+                                                     len(final))
+            tensor.div_(len(final))
+            return _Done(self, None)
+        tensor.copy_(original)
+        return _Done(self, None)
+
+    def all_gather_async(self, tensor: torch.Tensor) -> Pending:
+        raise NotImplementedError("an elastic run has no all-gather over all replicas")
+
+    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
+                                        block_size: int = 0) -> Pending:
+        raise NotImplementedError("an elastic run has no quantised all-reduce")
+
+
+class _Done(Pending):
+    def __init__(self, comm: Communicator, result: Any) -> None:
+        super().__init__(comm, [])
+        self._done, self._result = True, result
+
+
+class _PeerWorks(Pending):
+    """An elastic exchange in flight: each peer's transfer succeeds or fails on its own."""
+
+    def __init__(self, comm: ElasticCommunicator, call: int, pg: Any, peers: Sequence[int],
+                 bufs: list[torch.Tensor], works: dict[int, list[Any]], agreed_in: float
+                 ) -> None:
+        super().__init__(comm, [w for ws in works.values() for w in ws])
+        self._ecomm, self._call, self._pg = comm, call, pg
+        self._peers, self._bufs, self._by_peer = list(peers), bufs, works
+        self._agreed_in = agreed_in
+
+    def wait(self) -> Any:
+        if self._done:
+            return self._result
+        t0 = time.perf_counter()
+        result: list[torch.Tensor | None] = [None] * len(self._peers)
+        lost = []
+        for p, works in self._by_peer.items():
+            try:
+                for w in works:
+                    w.wait()
+                result[self._peers.index(p)] = self._bufs[self._peers.index(p)]
+            except RuntimeError:
+                lost.append(p)
+        self._ecomm.sync_seconds += time.perf_counter() - t0
+        self._ecomm.longest_wait = max(self._ecomm.longest_wait,
+                                       self._agreed_in + time.perf_counter() - t0)
+        if lost:
+            self._ecomm.partial += 1
+            self._ecomm.events.append({"call": self._call, "step": self._ecomm.m.step,
+                                       "kind": "lost", "missing": lost})
+        self._pg = None  # its sockets close with it
+        self._done, self._result = True, result
+        return result

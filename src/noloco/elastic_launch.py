@@ -1,0 +1,118 @@
+"""The local launcher of an elastic run (``noloco train --elastic``).
+
+Unlike :class:`noloco.launch.Supervisor`, a worker that dies does not stop the others: the
+failure is recorded (replica, step, how), the replica is started again while ``--respawn``
+allows (it joins from a live replica, :mod:`noloco.elastic_worker`), and the run ends when
+every replica has finished or died. Then the run's numbers are combined from the files each
+replica left (:func:`noloco.elastic_worker.combine`). The launcher hosts the store the
+replicas meet in (membership, snapshots, process-group rendezvous); it takes part in no
+training operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from noloco.elastic import heartbeat_key
+from noloco.elastic_worker import combine
+from noloco.launch import Supervisor
+from noloco.rundir import RunDir
+
+
+class ElasticSupervisor(Supervisor):
+    def run(self) -> int:
+        if self.resume:
+            print("noloco: error: --resume of an elastic run is not supported yet (each "
+                  "replica's checkpoints are under checkpoints/replica-K/)", file=sys.stderr)
+            return 2
+        self.host_store()
+        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        t0 = time.time()
+        self.incarnation = {r: 0 for r in range(self.world)}
+        self.joins: list[dict[str, Any]] = []
+        respawns = self.cfg.train.respawn
+        finished: set[int] = set()
+        dead: set[int] = set()
+        try:
+            self.procs = {r: self._start(r) for r in range(self.world)}
+            while len(finished | dead) < self.world:
+                if self.signum is not None:
+                    self._stop_all()
+                    step = max((self._step(r) for r in range(self.world)), default=0)
+                    with contextlib.suppress(OSError):
+                        RunDir(self.out).update_summary(status="interrupted", last_step=step,
+                                                        exit_code=128 + self.signum,
+                                                        failures=self.failures, elastic=True)
+                    print(f"noloco: interrupted at step {step} (elastic runs cannot be resumed "
+                          f"yet)", file=sys.stderr, flush=True)
+                    return 128 + self.signum
+                for r, p in list(self.procs.items()):
+                    if r in finished or r in dead:
+                        continue
+                    code = p.poll()
+                    if code is None:
+                        continue
+                    if code == 0:
+                        finished.add(r)
+                        continue
+                    self._record_failure(r, code)
+                    others = [q for q in self.procs if q != r and q not in finished | dead]
+                    if respawns > 0 and others:
+                        respawns -= 1
+                        self.incarnation[r] += 1
+                        self.joins.append({"replica": r, "incarnation": self.incarnation[r],
+                                           "started": time.time()})
+                        print(f"noloco: starting replica {r} again (it joins from a live "
+                              f"replica)", file=sys.stderr, flush=True)
+                        self.procs[r] = self._start(r)
+                    else:
+                        dead.add(r)
+                time.sleep(0.05)
+        finally:
+            self._stop_all()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+        summary = combine(self.cfg, self.out, self.failures, self.joins, time.time() - t0)
+        if not finished:
+            print("noloco: error: every replica failed", file=sys.stderr, flush=True)
+            return 1
+        per = summary["final_val_loss_per_replica"]
+        lost = f", {len(self.failures)} failure(s)" if self.failures else ""
+        print(f"done: elastic {summary['method']}, {len(finished)} of {self.world} replicas "
+              f"finished{lost} in {summary['wall_seconds']:.1f} s\n"
+              f"  validation loss {summary['final_val_loss']:.4f} (replicas "
+              f"{min(per.values()):.4f}–{max(per.values()):.4f}), weight spread "
+              f"{summary['weight_spread']:.2e}\n"
+              f"  files: {self.out}/ (summary.json, metrics/replica-K.jsonl, model/)",
+              flush=True)
+        return 0
+
+    def _start(self, replica: int) -> subprocess.Popen:
+        env = dict(self._env(0), RANK=str(replica), LOCAL_RANK=str(replica),
+                   NOLOCO_REPLICA=str(replica), NOLOCO_STAGE="0", NOLOCO_ELASTIC="1",
+                   NOLOCO_INCARNATION=str(self.incarnation[replica]))
+        return subprocess.Popen([sys.executable, "-m", "noloco.worker",
+                                 json.dumps(self.cfg.to_dict())], env=env,
+                                start_new_session=True)
+
+    def _step(self, replica: int) -> int:
+        hb = self._read(heartbeat_key(replica))
+        return int(hb["step"]) if hb else 0
+
+    def _record_failure(self, replica: int, code: int) -> None:
+        from noloco.worker import report_key
+
+        step = self._step(replica)
+        report = self._read(report_key(self.incarnation[replica], replica))
+        how = (signal.Signals(-code).name if code < 0 else
+               (report["line"] if report and report.get("line") else f"exit code {code}"))
+        self.failures.append({"replica": replica, "step": step, "kind": how,
+                              "incarnation": self.incarnation[replica], "t": time.time()})
+        print(f"noloco: replica {replica} failed at step {step} ({how}); the others go on",
+              file=sys.stderr, flush=True)

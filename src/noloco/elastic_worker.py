@@ -1,0 +1,372 @@
+"""One replica of an elastic run (``--elastic``): trains, evaluates and saves on its own.
+
+The training loop is :class:`noloco.train.Trainer`'s; what differs is everything that would
+involve every replica. No barrier anywhere:
+
+- the method's communicator is an :class:`noloco.elastic.ElasticCommunicator` (groups from
+  membership snapshots, process groups built per operation for exactly its members);
+- evaluation is local: each replica appends its own records to
+  ``metrics/replica-K.jsonl`` and at the end writes ``metrics/replica-K.json`` and its weights
+  ``model/replica-K.safetensors``; the launcher combines them when every replica has ended
+  (:func:`combine`);
+- checkpoints are per replica (``checkpoints/replica-K/``), complete on their own;
+- a replica started again (``--respawn``) *joins*: it asks a live replica (the donor) for
+  the live state — model, slow weights and outer momentum (the method's whole state), the
+  step and the operation count — over a two-member process group, takes its own inner
+  optimizer and data position from its newest checkpoint if it has one (else starts them
+  fresh), and enters the gossip at the donor's next outer step. The donor serves between two
+  inner steps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from noloco import checkpoint as ckpt_mod
+from noloco.comm import Communicator, NullCommunicator, flatten
+from noloco.config import Config, ConfigError
+from noloco.distributed import DistContext, Layout, limit_threads, pick_device
+from noloco.elastic import PREFIX, ElasticCommunicator, Membership
+from noloco.metrics import Progress
+from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
+from noloco.train import AVERAGED_METHODS, Trainer, weights_checksum
+
+
+def replica_metrics(out: Path, replica: int) -> Path:
+    return Path(out) / "metrics" / f"replica-{replica}.jsonl"
+
+
+def replica_summary(out: Path, replica: int) -> Path:
+    return Path(out) / "metrics" / f"replica-{replica}.json"
+
+
+def _join_counter(donor: int) -> str:
+    return f"{PREFIX}/join/{donor}"
+
+
+class ElasticTrainer(Trainer):
+    def __init__(self, cfg: Config, lay: Layout, device: torch.device, threads: int,
+                 rundir: RunDir, ctx: DistContext, status: Any, membership: Membership,
+                 ) -> None:
+        self._membership = membership
+        super().__init__(cfg, lay, device, threads, rundir, ctx, status)
+        self.membership = membership
+        self.ckpt = ckpt_mod.Checkpointer(
+            rundir.path / "checkpoints" / f"replica-{lay.replica}", 0, 1, cfg.math_hash(),
+            cfg.train.checkpoint_every, cfg.train.keep_checkpoints)
+        self.served = 0
+        """join requests this replica has served (as a donor)"""
+        self.joins: list[dict[str, Any]] = []
+        self.metrics_file = replica_metrics(rundir.path, lay.replica)
+
+    def make_comms(self) -> tuple[Communicator, Communicator]:
+        return (ElasticCommunicator(self._membership, self.cfg.method.peer_timeout),
+                NullCommunicator())
+
+    # ---- evaluation: this replica only -----------------------------------------------------
+    def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
+        e0 = time.perf_counter()
+        st = self.state
+        val = self.runner.eval_loss(self.val)
+        train = sum(st.last_train) / len(st.last_train) if st.last_train else None
+        rec = {"step": step, "replica": self.lay.replica, "val_loss": val, "train_loss": train,
+               "bytes_sent": self.comm.bytes_sent, "sync_seconds": self.comm.sync_seconds,
+               "tokens_per_replica": step * self.tokens_per_step,
+               "wall_seconds": self.loop_seconds(), "t": time.time()}
+        self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        append_line(self.metrics_file, json.dumps(rec))
+        if log.enabled:
+            log.line(f"step {step:>6} | replica {self.lay.replica} | val {val:.4f} | sent "
+                     f"{self.comm.bytes_sent / 1e6:,.1f} MB | blocked "
+                     f"{self.comm.sync_seconds:.2f} s")
+        st.metric_lines += 1
+        st.last_eval_step = step
+        st.last_train.clear()
+        st.eval_s += time.perf_counter() - e0
+        return rec
+
+    # ---- the end: own weights and own summary ----------------------------------------------
+    def end(self, log: Progress) -> dict[str, Any] | None:
+        self.ckpt.wait()
+        self.method.finish()
+        rec = self.evaluate(self.cfg.train.steps, log)
+        log.close()
+        named = self.runner.named_parameters()
+        ckpt_mod.save_weights(
+            self.rundir.path / ckpt_mod.MODEL_DIR / f"replica-{self.lay.replica}.safetensors",
+            dict(named), {"step": str(self.state.step), "method": self.cfg.method.method})
+        comm: ElasticCommunicator = self.comm  # type: ignore[assignment]
+        summary = {
+            "replica": self.lay.replica, "incarnation": self.membership.incarnation,
+            "steps": self.state.step, "final_val_loss": rec["val_loss"],
+            "outer_steps": self.method.outer_steps, "bytes_sent": comm.bytes_sent,
+            "sync_seconds": comm.sync_seconds, "compute_seconds": self.state.compute_s,
+            "train_seconds": self.loop_seconds() - self.state.eval_s,
+            "wall_seconds": self.wall_seconds(), "partial_operations": comm.partial,
+            "retries": comm.retries, "longest_wait_seconds": comm.longest_wait,
+            "ops": dict(comm.ops),
+            "events": comm.events, "joins": self.joins,
+            "served": self.served, "resumed_from_step": self.resumed_from,
+            "threads_per_worker": self.threads, "params": self.n_params_total,
+            "param_bytes": self.param_bytes, "device": str(self.device),
+            "tokens_per_step": self.tokens_per_step,
+        }
+        write_json_atomic(replica_summary(self.rundir.path, self.lay.replica), summary)
+        self.membership.finish()
+        return summary
+
+    # ---- join: donor side ------------------------------------------------------------------
+    def live_state(self) -> dict[str, Any]:
+        """What a joining replica takes from its donor (everything but the inner optimizer,
+        the data position and the random streams, which are the joiner's own)."""
+        return {"model": {n: p.detach().clone() for n, p in self.runner.named_parameters()},
+                "method": self.method.state_dict(), "comm_calls": self.comm.calls,
+                "step": self.state.step, "donor": self.lay.replica}
+
+    def between_steps(self) -> None:
+        store = self.membership.store
+        waiting = store.add(_join_counter(self.lay.replica), 0)
+        while self.served < waiting:
+            self.served += 1
+            req = json.loads(store.get(f"{_join_counter(self.lay.replica)}/{self.served}"))
+            t0 = time.perf_counter()
+            try:
+                nbytes = self._send_state(f"{_join_counter(self.lay.replica)}/{self.served}")
+            except RuntimeError as e:  # the joiner died meanwhile: go on
+                print(f"noloco: replica {self.lay.replica}: a state transfer to replica "
+                      f"{req['replica']} failed ({str(e).splitlines()[0][:120]})",
+                      file=sys.stderr, flush=True)
+                continue
+            self.joins.append({"kind": "donated", "to": req["replica"], "step": self.state.step,
+                               "bytes": nbytes, "seconds": time.perf_counter() - t0,
+                               "checksum": self.checksum()})
+
+    def checksum(self) -> int:
+        """Of the model and the slow weights (the transfer is checked bit for bit with it)."""
+        phi = getattr(self.method, "slow", None)
+        return weights_checksum(self.params + (list(phi) if phi is not None else []))
+
+    def _send_state(self, tag: str) -> int:
+        buf = io.BytesIO()
+        torch.save(self.live_state(), buf)
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 0, 2,
+                                   timedelta(seconds=self.cfg.method.peer_timeout))
+        pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
+        pg.send([blob], 1, 1).wait()
+        return blob.numel() + 8
+
+    # ---- join: joiner side -----------------------------------------------------------------
+    def join(self) -> None:
+        """Take the live state from a live replica (see the module docstring)."""
+        own = self._own_checkpoint()
+        store = self.membership.store
+        deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        while time.monotonic() < deadline:
+            donors = [r for r in self.membership.alive() if r != self.lay.replica]
+            if not donors:
+                time.sleep(0.2)
+                continue
+            donor = donors[0]
+            n = store.add(_join_counter(donor), 1)
+            tag = f"{_join_counter(donor)}/{n}"
+            store.set(tag, json.dumps({"replica": self.lay.replica}))
+            t0 = time.perf_counter()
+            try:
+                pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", store), 1, 2,
+                                           timedelta(seconds=self.cfg.method.peer_timeout * 3))
+                size = torch.zeros(1, dtype=torch.int64)
+                pg.recv([size], 0, 0).wait()
+                blob = torch.empty(int(size.item()), dtype=torch.uint8)
+                pg.recv([blob], 0, 1).wait()
+            except RuntimeError:  # the donor died or is stuck: ask another
+                continue
+            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
+            self._adopt(state, own)
+            self.joins.append({"kind": "joined", "from": donor, "step": self.state.step,
+                               "bytes": int(size.item()) + 8,
+                               "seconds": time.perf_counter() - t0,
+                               "checksum": self.checksum(),
+                               "own_checkpoint_step": own.get("step") if own else None})
+            print(f"noloco: replica {self.lay.replica} joined at step {self.state.step} with "
+                  f"the state of replica {donor} ({int(size.item()) / 1e6:.1f} MB in "
+                  f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
+            return
+        raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
+
+    def _own_checkpoint(self) -> dict[str, Any] | None:
+        root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"
+        if not root.is_dir():
+            return None
+        step, sd = ckpt_mod.agree_on_step(root, 0, self.cfg.math_hash(), lambda x: [x])
+        return sd if step is not None else None
+
+    @torch.no_grad()
+    def _adopt(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
+        named = dict(self.runner.named_parameters())
+        for name, p in named.items():
+            p.copy_(state["model"][name])
+        self.method.load_state_dict(state["method"])
+        self.comm.calls = int(state["comm_calls"])
+        if own is not None:  # this replica's own inner optimizer and data position
+            self.inner.load_state_dict(own["optimizer"])
+            self.reader.load_state_dict(own["reader"])
+        self.state.step = self.status.step = int(state["step"])
+        self.membership.step = self.state.step
+        self.resumed_from = self.state.step
+
+
+def run(cfg: Config, status: Any) -> dict[str, Any] | None:
+    """One replica of an elastic run, under the local launcher (its store, its environment:
+    ``RANK`` is the replica, ``NOLOCO_INCARNATION`` how many times it was started before)."""
+    cfg = cfg.resolved()
+    m, t = cfg.method, cfg.train
+    replica = int(os.environ["NOLOCO_REPLICA"])
+    incarnation = int(os.environ.get("NOLOCO_INCARNATION", "0"))
+    lay = Layout(rank=replica, world=m.replicas, local_world=m.replicas, replica=replica,
+                 stage=0, replicas=m.replicas, stages=1)
+    status.lay, status.out = lay, t.out
+    threads = limit_threads(lay.local_world, t.threads)
+    device = pick_device(t.device, replica, lay.local_world)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
+                          False, timedelta(seconds=m.comm_timeout))
+    status.store, status.attempt = store, incarnation  # the launcher reads a failure report
+    membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation).start()
+    # attempt = incarnation: injected faults fire in the first incarnation only.
+    ctx = DistContext(store=None, attempt=incarnation)
+    trainer = None
+    ok = False
+    try:
+        trainer = ElasticTrainer(cfg, lay, device, threads, RunDir(Path(t.out)), ctx, status,
+                                 membership)
+        if incarnation > 0:
+            trainer.join()
+        summary = trainer.train()
+        ok = True
+        return summary
+    finally:
+        membership.stop()
+        if trainer is not None:
+            trainer.close(ok)
+
+
+# ---- the run's numbers, from the replicas' own files (the launcher, at the end) -------------
+
+def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
+            joins: list[dict[str, Any]], wall_seconds: float) -> dict[str, Any]:
+    """summary.json, metrics.jsonl and the model index of an elastic run, from the files the
+    replicas left: the mean over the replicas that reported, at each evaluation step."""
+    cfg = cfg.resolved()
+    m = cfg.method
+    finished = {}
+    for r in range(m.replicas):
+        p = replica_summary(out, r)
+        if p.is_file():
+            finished[r] = json.loads(p.read_text())
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in range(m.replicas):
+        for rec in read_jsonl(replica_metrics(out, r)) if replica_metrics(out, r).is_file() else []:
+            by_step.setdefault(rec["step"], []).append(rec)
+    rundir = RunDir(out)
+    lines = []
+    for step in sorted(by_step):
+        recs = by_step[step]
+        vals = [x["val_loss"] for x in recs]
+        lines.append({"step": step, "val_loss": sum(vals) / len(vals),
+                      "val_loss_per_replica": {str(x["replica"]): x["val_loss"] for x in recs},
+                      "replicas_reporting": len(recs),
+                      "bytes_sent": sum(x["bytes_sent"] for x in recs),
+                      "sync_seconds": max(x["sync_seconds"] for x in recs),
+                      "tokens_per_replica": recs[0]["tokens_per_replica"],
+                      "wall_seconds": max(x["wall_seconds"] for x in recs)})
+    rundir.metrics_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    spread = None
+    names = [f"replica-{r}" for r in sorted(finished)]
+    if finished:
+        spread = _spread_and_average(cfg, out, sorted(finished))
+        if m.method in AVERAGED_METHODS and len(finished) > 1:
+            names.append("average")
+    per = {str(r): s["final_val_loss"] for r, s in finished.items()}
+    summary = {
+        "status": "completed" if finished else "failed", "method": m.method, "elastic": True,
+        "replicas": m.replicas, "stages": 1, "steps": cfg.train.steps,
+        "peer_timeout": m.peer_timeout,
+        "replicas_finished": sorted(finished),
+        "steps_per_replica": {str(r): s["steps"] for r, s in finished.items()},
+        "final_val_loss": sum(per.values()) / len(per) if per else None,
+        "final_val_loss_per_replica": per,
+        "bytes_sent": sum(s["bytes_sent"] for s in finished.values()),
+        "bytes_sent_per_replica": {str(r): s["bytes_sent"] for r, s in finished.items()},
+        "sync_seconds": max((s["sync_seconds"] for s in finished.values()), default=None),
+        "sync_seconds_per_replica": {str(r): s["sync_seconds"] for r, s in finished.items()},
+        "outer_steps": max((s["outer_steps"] for s in finished.values()), default=0),
+        "partial_operations": {str(r): s["partial_operations"] for r, s in finished.items()},
+        "retries": {str(r): s["retries"] for r, s in finished.items()},
+        "longest_wait_seconds": {str(r): s["longest_wait_seconds"] for r, s in finished.items()},
+        "events": {str(r): s["events"] for r, s in finished.items()},
+        "failures": failures,
+        "joins": joins + [j for s in finished.values() for j in s["joins"]],
+        "weight_spread": spread,
+        "wall_seconds": wall_seconds,
+        "model_dir": ckpt_mod.MODEL_DIR,
+    }
+    if finished:
+        any_s = next(iter(finished.values()))
+        summary.update(params=any_s["params"], param_bytes=any_s["param_bytes"],
+                       device=any_s["device"], threads_per_worker=any_s["threads_per_worker"])
+        train_s = sum(s["train_seconds"] for s in finished.values())
+        summary["compute_utilisation"] = (sum(s["compute_seconds"] for s in finished.values())
+                                          / train_s if train_s > 0 else None)
+        summary["tokens_per_replica"] = cfg.train.steps * any_s["tokens_per_step"]
+        _write_index(cfg, out, names)
+    rundir.write_summary(summary)
+    return summary
+
+
+def _spread_and_average(cfg: Config, out: Path, replicas: list[int]) -> float:
+    """Weight spread of the finished replicas' final weights (the metric of
+    :func:`noloco.metrics.weight_spread`: root mean squared distance to their mean),
+    and ``model/average.safetensors``."""
+    from safetensors.torch import load_file
+
+    model_dir = out / ckpt_mod.MODEL_DIR
+    sds = [load_file(str(model_dir / f"replica-{r}.safetensors")) for r in replicas]
+    names = list(sds[0])
+    flats = torch.stack([flatten([sd[n] for n in names], torch.float64) for sd in sds])
+    mean = flats.mean(0)
+    spread = math.sqrt(float(((flats - mean) ** 2).mean())) if len(replicas) > 1 else 0.0
+    if cfg.method.method in AVERAGED_METHODS and len(replicas) > 1:
+        avg = {n: torch.stack([sd[n].float() for sd in sds]).mean(0) for n in names}
+        ckpt_mod.save_weights(model_dir / "average.safetensors", avg,
+                              {"step": str(cfg.train.steps), "method": cfg.method.method})
+    return spread
+
+
+def _write_index(cfg: Config, out: Path, names: list[str]) -> None:
+    from noloco import data as data_mod
+    from noloco.model import preset
+
+    d = cfg.data
+    tokenizer = data_mod.make_tokenizer(d.tokenizer)
+    args = None
+    hf_config = None
+    if cfg.model.hf_model is not None:
+        from noloco import hf
+        hf_config = hf.load_config(cfg.model.hf_model).to_dict()
+    else:
+        args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
+                      dropout=cfg.model.dropout)
+    ckpt_mod.write_model_index(out, args, names, 1, {
+        "hf_config": hf_config, "tokenizer": d.tokenizer, "tokenizer_name": tokenizer.name,
+        "preset": cfg.model.preset, "step": cfg.train.steps, "method": cfg.method.method})

@@ -1,0 +1,202 @@
+"""Elastic training (--elastic): replicas die, stall and join while the others train on."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from run_utils import SMALL, cli, summary, wait_for, weights, worker_pids
+
+from noloco.elastic import groups_of
+from noloco.methods.noloco import groups_at
+
+TIMEOUT = 3.0
+"""--peer-timeout of these runs"""
+RUN = [*SMALL, "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
+       "--peer-timeout", str(TIMEOUT)]
+
+
+def start(out: Path, data: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "noloco", "train", "--data", str(data), *RUN, "--elastic",
+         "--out", str(out), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def evaluated(out: Path, replica: int, step: int) -> bool:
+    p = out / "metrics" / f"replica-{replica}.jsonl"
+    return p.is_file() and any(json.loads(x)["step"] >= step
+                               for x in p.read_text().splitlines() if x.strip())
+
+
+def finish(proc: subprocess.Popen, timeout: float = 200) -> str:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    return err
+
+
+# ---- groups from a membership snapshot ----------------------------------------------------
+
+def test_groups_of_all_replicas_are_the_static_groups():
+    for e in range(20):
+        for n, size in ((4, 2), (8, 2), (8, 4), (6, 3)):
+            assert groups_of(list(range(n)), e, size, seed=3) == groups_at(e, n, size, seed=3)
+
+
+def test_groups_of_a_snapshot_partition_its_members():
+    members = [0, 2, 3, 5, 7]
+    for e in range(20):
+        groups = groups_of(members, e, 2, seed=1)
+        assert sorted(r for g in groups for r in g) == members
+        assert [len(g) for g in groups] == [2, 3]  # the one left over joins the last group
+        assert groups == groups_of(list(reversed(members)), e, 2, seed=1)  # order-free
+    assert groups_of([4], 0, 2) == [[4]]
+
+
+# ---- whole runs ---------------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["noloco", "diloco"])
+def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespeare, method):
+    runs = {}
+    for mode in ("static", "elastic"):
+        out = tmp_path / mode
+        extra = ["--elastic"] if mode == "elastic" else []
+        r = cli("train", "--data", str(shakespeare), *RUN, "--method", method, "--steps", "40",
+                "--out", str(out), *extra)
+        assert r.returncode == 0, r.stderr
+        runs[mode] = out
+    a, b = weights(runs["static"]), weights(runs["elastic"])
+    for r in range(4):
+        name = f"replica-{r}.safetensors"
+        assert all((a[name][k] == b[name][k]).all() for k in a[name]), name
+    s, e = summary(runs["static"]), summary(runs["elastic"])
+    assert e["final_val_loss_per_replica"] == {str(i): v for i, v in
+                                               enumerate(s["final_val_loss_per_replica"])}
+    assert set(e["bytes_sent_per_replica"].values()) == {s["bytes_sent_per_replica"]}
+    assert e["failures"] == [] and e["replicas_finished"] == [0, 1, 2, 3]
+    assert math.isclose(e["weight_spread"], s["weight_spread"], rel_tol=1e-6)
+    ops = {json.loads((runs["elastic"] / "metrics" / f"replica-{r}.json").read_text())["ops"]
+           .get("all_reduce" if method == "diloco" else "exchange") for r in range(4)}
+    assert ops == {4}
+    if method == "noloco":  # pairs only: no operation ever involves more than the group
+        for r in range(4):
+            rs = json.loads((runs["elastic"] / "metrics" / f"replica-{r}.json").read_text())
+            assert rs["ops"] == {"exchange": 4}
+
+
+@pytest.mark.timeout(300)
+def test_kill9_of_one_replica_the_others_finish(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    proc = start(out, shakespeare, "--method", "noloco", "--steps", "100")
+    try:
+        wait_for(lambda: evaluated(out, 2, 40), 120, "replica 2 at step 40")
+        pid = worker_pids(out)[(2, 0)]
+        os.kill(pid, signal.SIGKILL)  # from outside, as a user or the OOM killer would
+        err = finish(proc)
+    finally:
+        proc.kill()
+    assert "replica 2 failed at step" in err and "SIGKILL" in err
+    s = summary(out)
+    assert s["status"] == "completed" and s["replicas_finished"] == [0, 1, 3]
+    assert [(f["replica"], f["kind"]) for f in s["failures"]] == [(2, "SIGKILL")]
+    assert 30 <= s["failures"][0]["step"] <= 60
+    assert all(math.isfinite(v) for v in s["final_val_loss_per_replica"].values())
+    assert s["steps_per_replica"] == {"0": 100, "1": 100, "3": 100}
+    # Each survivor lost at most the peer timeout (+ one exchange) on any one exchange.
+    assert max(s["longest_wait_seconds"].values()) < TIMEOUT + 1.5
+    assert any(e["missing"] == [2] for ev in s["events"].values() for e in ev)
+    assert (out / "model" / "average.safetensors").is_file()
+    assert not (out / "model" / "replica-2.safetensors").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_path,
+                                                                           shakespeare):
+    out = tmp_path / "run"
+    proc = start(out, shakespeare, "--method", "noloco", "--steps", "100")
+    try:
+        wait_for(lambda: evaluated(out, 2, 40), 120, "replica 2 at step 40")
+        pid = worker_pids(out)[(2, 0)]
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(2 * TIMEOUT)
+        os.kill(pid, signal.SIGCONT)
+        finish(proc)
+    finally:
+        proc.kill()
+    s = summary(out)
+    assert s["failures"] == [] and s["replicas_finished"] == [0, 1, 2, 3]
+    others = [v for r, v in s["longest_wait_seconds"].items() if r != "2"]
+    assert max(others) < TIMEOUT + 1.5
+    ev = s["events"]["2"]
+    assert any(e["kind"] == "late" for e in ev)  # it came back after its partner had left
+    # ... and exchanged again afterwards: fewer solo exchanges than exchanges after the stall.
+    late = {e["call"] for e in ev}
+    assert len(late) < 10 - 4
+    assert math.isfinite(s["final_val_loss_per_replica"]["2"])
+
+
+@pytest.mark.timeout(300)
+def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", "noloco",
+            "--steps", "120", "--out", str(out), "--inject-fault", "kill:2@40", "--respawn", "1")
+    assert r.returncode == 0, r.stderr
+    assert "replica 2 joined at step" in r.stderr
+    s = summary(out)
+    assert s["replicas_finished"] == [0, 1, 2, 3]
+    assert [f["replica"] for f in s["failures"]] == [2]
+    donated = [j for j in s["joins"] if j.get("kind") == "donated"]
+    joined = [j for j in s["joins"] if j.get("kind") == "joined"]
+    assert len(donated) == len(joined) == 1
+    d, j = donated[0], joined[0]
+    # Bit for bit: the checksum of model and slow weights on both sides, at the same step.
+    assert (d["to"], d["step"], d["checksum"]) == (2, j["step"], j["checksum"])
+    assert d["bytes"] == j["bytes"] > 0 and j["seconds"] > 0
+    assert j["own_checkpoint_step"] is not None  # its own optimizer and data position
+    recs = [json.loads(x) for x in (out / "metrics" / "replica-2.jsonl").read_text().splitlines()
+            if x.strip()]
+    after = [x["val_loss"] for x in recs if x["step"] > j["step"]]
+    assert len(after) >= 2 and after[-1] < after[0]
+
+
+@pytest.mark.timeout(300)
+def test_diloco_survivors_stay_identical_after_a_death(tmp_path, shakespeare):
+    out = tmp_path / "run"
+    r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", "diloco",
+            "--steps", "80", "--out", str(out), "--inject-fault", "kill:2@40")
+    assert r.returncode == 0, r.stderr
+    s = summary(out)
+    assert s["replicas_finished"] == [0, 1, 3]
+    w = weights(out)
+    ref = w["replica-0.safetensors"]
+    for name in ("replica-1.safetensors", "replica-3.safetensors"):
+        assert all((w[name][k] == ref[k]).all() for k in ref), name
+    assert s["weight_spread"] == 0.0
+    # The quorum shrank to the survivors: their all-reduce went on without replica 2.
+    assert all(any(e["missing"] == [2] for e in s["events"][r]) for r in ("0", "1", "3"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--method", "ddp", "--elastic"], "--elastic applies to noloco, diloco and streaming"),
+    (["--method", "noloco", "--elastic", "--stages", "2"], "--elastic with --stages > 1"),
+    (["--method", "noloco", "--respawn", "1"], "--respawn needs --elastic"),
+    (["--method", "noloco", "--elastic", "--peer-timeout", "0"], "--peer-timeout must be > 0"),
+    (["--method", "streaming", "--elastic", "--quantize", "fp4"], "quantised all-reduce"),
+])
+def test_impossible_elastic_settings_are_one_line(tmp_path, shakespeare, args, message):
+    r = cli("train", "--data", str(shakespeare), *SMALL, "--replicas", "4", *args,
+            "--out", str(tmp_path / "run"), timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()
