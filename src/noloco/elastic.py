@@ -152,6 +152,9 @@ class ElasticCommunicator(Communicator):
         self.partial = 0
         """operations done with fewer members than drawn"""
         self.retries = 0
+        self.behind = False
+        """an all-reduce went on without this replica: its slow weights differ from the
+        quorum's until it takes theirs (:meth:`ElasticTrainer.heal`)"""
         self.longest_wait = 0.0
         """the most seconds one operation blocked (arrival and transfer together)"""
 
@@ -248,6 +251,7 @@ class ElasticCommunicator(Communicator):
         self.ops["all_reduce"] += 1
         if self.rank not in candidates:  # dropped while silent: this step alone
             self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
+            self.behind = len(candidates) > 0
             return _Done(self, None)
         original = tensor.clone()
         start = time.perf_counter()
@@ -262,6 +266,9 @@ class ElasticCommunicator(Communicator):
             final, tag = self._agree(call, candidates, attempt)
             if self.rank not in final or len(final) == 1:
                 tensor.copy_(original)
+                # Late: the others stepped without this replica. Alone by the others'
+                # absence: nobody holds other slow weights to catch up with.
+                self.behind = self.rank not in final
                 return _Done(self, None)
             t0 = time.perf_counter()
             try:

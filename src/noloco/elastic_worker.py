@@ -135,6 +135,8 @@ class ElasticTrainer(Trainer):
                 "step": self.state.step, "donor": self.lay.replica}
 
     def between_steps(self) -> None:
+        if self.comm.behind:
+            self.heal()
         store = self.membership.store
         waiting = store.add(_join_counter(self.lay.replica), 0)
         while self.served < waiting:
@@ -168,16 +170,30 @@ class ElasticTrainer(Trainer):
         return blob.numel() + 8
 
     # ---- join: joiner side -----------------------------------------------------------------
-    def join(self) -> None:
+    def heal(self) -> None:
+        """DiLoCo's replicas share their slow weights; one the quorum stepped without (it was
+        late: stalled, slow) takes a live replica's state, step included — the way torchft
+        heals a replica — keeping its own inner optimizer and data position."""
+        self.comm.behind = False
+        if [r for r in self.membership.alive() if r != self.lay.replica]:
+            resumed_from = self.resumed_from
+            self.join(own=None, tries=1, kind="healed")
+            self.resumed_from = resumed_from
+
+    def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
+             kind: str = "joined") -> None:
         """Take the live state from a live replica (see the module docstring)."""
-        own = self._own_checkpoint()
+        if kind == "joined":
+            own = self._own_checkpoint()
         store = self.membership.store
         deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and (tries is None or tries > 0):
             donors = [r for r in self.membership.alive() if r != self.lay.replica]
             if not donors:
                 time.sleep(0.2)
                 continue
+            if tries is not None:
+                tries -= 1
             donor = donors[0]
             n = store.add(_join_counter(donor), 1)
             tag = f"{_join_counter(donor)}/{n}"
@@ -193,17 +209,20 @@ class ElasticTrainer(Trainer):
             except RuntimeError:  # the donor died or is stuck: ask another
                 continue
             state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
+            before = self.state.step
             self._adopt(state, own)
-            self.joins.append({"kind": "joined", "from": donor, "step": self.state.step,
+            self.joins.append({"kind": kind, "from": donor, "step": self.state.step,
+                               "step_before": before,
                                "bytes": int(size.item()) + 8,
                                "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum(),
                                "own_checkpoint_step": own.get("step") if own else None})
-            print(f"noloco: replica {self.lay.replica} joined at step {self.state.step} with "
+            print(f"noloco: replica {self.lay.replica} {kind} at step {self.state.step} with "
                   f"the state of replica {donor} ({int(size.item()) / 1e6:.1f} MB in "
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
             return
-        raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
+        if kind == "joined":
+            raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
 
     def _own_checkpoint(self) -> dict[str, Any] | None:
         root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"

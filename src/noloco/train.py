@@ -299,8 +299,11 @@ class Trainer:
             # way to the final one (after any sync in flight lands): do it now, as an
             # uninterrupted run would have.
             self.evaluate(st.step, log)
-        for step in range(st.step, t.steps):
-            self.between_steps()
+        while st.step < t.steps:
+            self.between_steps()  # may move the step (an elastic replica catching up)
+            if st.step >= t.steps:
+                break
+            step = st.step
             s0 = time.perf_counter()
             lr = lr_at(step, o.lr, o.warmup, o.schedule_steps)
             for g in inner.param_groups:
