@@ -505,3 +505,63 @@ def test_predict_reproduces_the_bytes_of_real_runs_exactly(tmp_path, shakespeare
         sent = json.loads((out / "summary.json").read_text())["bytes_sent_per_replica"]
         assert sent > 0, name
         assert pred.methods[0].bytes_sent_per_replica == sent, name
+
+
+# ---- churn ------------------------------------------------------------------------------------
+
+def test_churn_without_failures_is_the_blocking_model():
+    from noloco.netsim.churn import simulate_churn
+
+    for n, h, g in ((64, 20, 2), (16, 5, 4), (1024, 10, 2)):
+        b = simulate_blocking(n, h, 30, group_size=g, seed=3)
+        c = simulate_churn(n, h, 30, group_size=g, seed=3)
+        assert c.failures == 0
+        assert c.diloco_seconds == b.diloco_seconds and c.noloco_seconds == b.noloco_seconds
+        assert c.noloco_steps == c.diloco_steps == n * h * 30
+
+
+def test_churn_hand_computed_case(monkeypatch):
+    """2 replicas, steps of exactly 1 (mu 0, sigma² 0), H 1, timeout 0.5, back 2 after a
+    failure; replica 1 fails at 0.5 in the first outer step, never again.
+
+    NoLoCo: step 0: replica 0 ready at 1, its partner missing: leaves at 1 + 0.5 = 1.5 (1
+    step kept); replica 1 back at 2.5. Step 1: replica 1 still away (2.5 > 1.5): replica 0
+    alone, 1.5 → 2.5 (1 step). Step 2: both start at 2.5, meet at 3.5 (2 steps). 4 steps in
+    3.5. DiLoCo: barrier at 1.5 (1 step), at 2.5 without replica 1 (1 step), at 3.5 with both
+    (2 steps): 4 steps in 3.5 as well."""
+    from noloco.netsim import churn
+
+    draws = iter([np.array([math.inf, 0.5]), np.array([math.inf, 0.5])])
+
+    def gap(self, n):
+        return next(draws, None) if n == 2 else np.full(n, math.inf)
+
+    monkeypatch.setattr(churn._Failures, "_gap", gap)
+    r = churn.simulate_churn(2, 1, 3, mtbf=1.0, timeout=0.5, rejoin_delay=2.0, mu=0.0,
+                             sigma2=0.0)
+    assert r.failures == 1
+    assert r.noloco_seconds == pytest.approx(3.5) and r.noloco_steps == 4
+    assert r.diloco_seconds == pytest.approx(3.5) and r.diloco_steps == 4
+    assert r.noloco_utilisation == pytest.approx(4 / (2 * 3.5))
+
+
+def test_churn_costs_diloco_s_quorum_more_than_noloco_s_groups():
+    """A failure stops DiLoCo's whole quorum for the timeout; NoLoCo's group waits, and that
+    delay spreads through the gossip only as far as later partners wait for it."""
+    from noloco.netsim.churn import simulate_churn
+
+    clean = simulate_churn(256, 20, 40, timeout=300, seed=1)
+    churned = simulate_churn(256, 20, 40, mtbf=2e4, timeout=300, rejoin_delay=600, seed=1)
+    assert churned.failures > 50
+    lost_d = 1 - churned.diloco_utilisation / clean.diloco_utilisation
+    lost_n = 1 - churned.noloco_utilisation / clean.noloco_utilisation
+    assert lost_d > 1.5 * lost_n > 0  # measured: 0.68 and 0.38
+
+
+def test_churn_cli(capsys):
+    assert main(["churn", "-n", "64", "-H", "10", "--outer-steps", "10", "--mtbf", "inf", "1e4",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["mtbf"] for r in out["results"]] == [math.inf, 1e4]
+    assert main(["churn", "--mtbf", "0"]) == 2
+    assert "--mtbf and --timeout must be > 0" in capsys.readouterr().err

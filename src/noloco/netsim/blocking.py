@@ -19,6 +19,7 @@ Monte Carlo noise than two independent runs would.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -72,6 +73,20 @@ def _validate(
         )
 
 
+def outer_step_work(rng: np.random.Generator, workers: int, sync_every: int,
+                    outer_steps: int, mu: float, sigma2: float) -> Iterator[np.ndarray]:
+    """Per outer step, every worker's time for its H inner steps (drawn in batches of outer
+    steps; the caller may draw from ``rng`` between two of them, as the batches come in the
+    same order whatever it draws)."""
+    sigma = math.sqrt(sigma2)
+    per_batch = max(1, _CHUNK_ELEMENTS // (workers * sync_every))
+    done = 0
+    while done < outer_steps:
+        m = min(per_batch, outer_steps - done)
+        yield from rng.lognormal(mu, sigma, size=(m, workers, sync_every)).sum(axis=2)
+        done += m
+
+
 def simulate_blocking(
     workers: int = 1024,
     sync_every: int = 100,
@@ -85,22 +100,14 @@ def simulate_blocking(
     """Simulate both methods on the same random inner-step times (vectorised over workers)."""
     _validate(workers, sync_every, outer_steps, sigma2, group_size)
     rng = np.random.default_rng(seed)
-    sigma = math.sqrt(sigma2)
     n, h = int(workers), int(sync_every)
     clock = np.zeros(n)  # NoLoCo: each worker's own clock
     diloco = 0.0
-    done = 0
-    per_batch = max(1, _CHUNK_ELEMENTS // (n * h))
-    while done < outer_steps:
-        m = min(per_batch, outer_steps - done)
-        # work[k, i]: worker i's total time for the H inner steps of outer step done + k.
-        work = rng.lognormal(mu, sigma, size=(m, n, h)).sum(axis=2)
-        diloco += float(work.max(axis=1).sum())  # the barrier waits for the slowest worker
-        for k in range(m):
-            clock += work[k]
-            groups = rng.permutation(n).reshape(group_size, -1)  # perm[j] with perm[j + n/g]
-            clock[groups] = clock[groups].max(axis=0)  # every member waits for the latest
-        done += m
+    for work in outer_step_work(rng, n, h, outer_steps, mu, sigma2):
+        diloco += float(work.max())  # the barrier waits for the slowest worker
+        clock += work
+        groups = rng.permutation(n).reshape(group_size, -1)  # perm[j] with perm[j + n/g]
+        clock[groups] = clock[groups].max(axis=0)  # every member waits for the latest
     noloco = float(clock.max())
     mean_step = math.exp(mu + sigma2 / 2)
     return BlockingResult(

@@ -1,4 +1,4 @@
-"""``noloco netsim latency|blocking|utilisation|predict``: the network model on the command line.
+"""``noloco netsim latency|blocking|churn|utilisation|predict``: the network model on the command line.
 
 Every subcommand prints an aligned table, or one JSON object with ``--json``, and can draw a
 figure with ``--plot FILE.png`` (matplotlib, an optional extra, is imported only then). Bad
@@ -195,6 +195,55 @@ def plot_blocking(results: list[BlockingResult], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("Straggler waiting: global barrier versus pairwise")
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# churn
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_churn(ns: argparse.Namespace) -> int:
+    from noloco.netsim.churn import simulate_churn
+
+    results = [simulate_churn(ns.workers, ns.sync_every, ns.outer_steps, mtbf=m,
+                              timeout=ns.timeout, rejoin_delay=ns.rejoin_delay, mu=ns.mu,
+                              sigma2=ns.sigma2, group_size=ns.group_size, seed=ns.seed)
+               for m in ns.mtbf]
+    rows = [(f"{r.mtbf:g}", r.failures, r.noloco_steps_per_second, r.diloco_steps_per_second,
+             r.noloco_utilisation, r.diloco_utilisation,
+             r.noloco_steps_per_second / r.diloco_steps_per_second) for r in results]
+    text = format_table(["MTBF", "failures", "NoLoCo steps/s", "DiLoCo steps/s",
+                         "NoLoCo util", "DiLoCo util", "NoLoCo/DiLoCo"], rows)
+    text += (f"\n\n{ns.workers} replicas, H = {ns.sync_every}, {ns.outer_steps} outer steps; "
+             f"inner steps LogNormal(mu={ns.mu}, sigma^2={ns.sigma2}); peer timeout "
+             f"{ns.timeout:g}, back {ns.rejoin_delay:g} after a failure (time unit: the step "
+             f"times'); steps/s: inner steps kept, all replicas, per unit of time")
+    _emit(ns, {"command": "churn", "results": [r.to_dict() for r in results]}, text)
+    if ns.plot:
+        plot_churn(results, ns.plot)
+    return 0
+
+
+def plot_churn(results: list[Any], path: str) -> None:
+    """Compute utilisation of NoLoCo's groups and DiLoCo's quorum against failure rate."""
+    plt = _pyplot()
+    rs = sorted(results, key=lambda r: 1 / r.mtbf)
+    rate = [r.workers / r.mtbf for r in rs]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(rate, [r.noloco_utilisation for r in rs], "o-", label="NoLoCo (groups)")
+    ax.plot(rate, [r.diloco_utilisation for r in rs], "s-", label="DiLoCo (quorum)")
+    if rate and rate[0] == 0 and len(rate) > 1:
+        ax.set_xscale("symlog", linthresh=min(x for x in rate if x > 0))
+    else:
+        ax.set_xscale("log")
+    ax.set_xlabel("failures per unit of time (all replicas)")
+    ax.set_ylabel("compute utilisation")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    r0 = rs[0]
+    ax.set_title(f"Churn: {r0.workers} replicas, H={r0.sync_every}, timeout {r0.timeout:g}")
     _save(fig, path)
 
 
@@ -454,7 +503,7 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
         dest="netsim_command",
         required=True,
         parser_class=_Parser,
-        metavar="{latency,blocking,utilisation,predict}",
+        metavar="{latency,blocking,churn,utilisation,predict}",
     )
 
     p = sub.add_parser(
@@ -514,6 +563,32 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     _common(p)
     p.set_defaults(func=_guarded(_run_blocking))
+
+    p = sub.add_parser(
+        "churn",
+        help="NoLoCo's groups versus DiLoCo's quorum when replicas fail and rejoin",
+        description="Tokens per second and compute utilisation of elastic NoLoCo and elastic "
+        "DiLoCo with log-normal inner-step times, failures as a Poisson process per replica, "
+        "a peer timeout and a rejoin delay (docs/elastic.md).",
+    )
+    p.add_argument("--workers", "-n", type=int, default=1024, help="replicas (default 1024)")
+    p.add_argument("--sync-every", "-H", type=int, default=100, help="H (default 100)")
+    p.add_argument("--outer-steps", type=int, default=100, help="outer steps (default 100)")
+    p.add_argument("--mtbf", type=float, nargs="+",
+                   default=[float("inf"), 1e7, 3e6, 1e6, 3e5, 1e5, 3e4, 1e4],
+                   help="mean time between failures of one replica, in step-time units "
+                   "(one or more; inf: none; default inf 1e7 .. 1e4)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="peer timeout (default 600)")
+    p.add_argument("--rejoin-delay", type=float, default=1800.0,
+                   help="time from a failure until the replica is back (default 1800)")
+    p.add_argument("--mu", type=float, default=1.0, help="log-normal mu of a step (default 1)")
+    p.add_argument("--sigma2", type=float, default=0.5,
+                   help="log-normal sigma^2 of a step (default 0.5)")
+    p.add_argument("--group-size", type=int, default=2, help="NoLoCo group size (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    _common(p)
+    p.set_defaults(func=_guarded(_run_churn))
 
     p = sub.add_parser(
         "utilisation",
