@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_export(sub)
     add_report(sub)
+    from noloco.coordinator import add_subparser as add_coordinator
+    add_coordinator(sub)
     try:
         from noloco.netsim.cli import add_subparsers as add_netsim
         add_netsim(sub)

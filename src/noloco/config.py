@@ -118,7 +118,8 @@ class MethodConfig:
         "for")
     elastic: bool = opt(
         False, "replicas are fault domains: one that dies or stalls is dropped after "
-        "--peer-timeout and the others train on (noloco, diloco; one stage; local runs)")
+        "--peer-timeout and the others train on (noloco, diloco, streaming; one stage; "
+        "docs/elastic.md)")
     peer_timeout: float = opt(
         10.0, "elastic: seconds a replica waits for a group member before going on without it, "
         "and silence after which a replica is dropped from the membership")
@@ -162,6 +163,12 @@ class TrainConfig:
     max_restarts: int = opt(
         0, "restart the workers up to R times after one dies, from the newest checkpoint "
         "(local runs; under torchrun use torchrun's own --max-restarts)")
+    coordinator: str | None = opt(
+        None, "elastic across machines: HOST:PORT of a running `noloco coordinator`; this "
+        "machine runs the replicas of --replica-ids")
+    replica_ids: str | None = opt(
+        None, "elastic with --coordinator: the replicas this machine runs, e.g. 0-3 or 4,5 "
+        "(default: all)")
     respawn: int = opt(
         0, "elastic: start a replica that died again, up to R times in all; it fetches the live "
         "state from a running replica and rejoins")
@@ -344,6 +351,11 @@ class Config:
                                   "use --respawn to restart the dead one)")
             if not m.peer_timeout > 0:
                 raise ConfigError("--peer-timeout must be > 0")
+        if (t.coordinator or t.replica_ids) and not m.elastic:
+            raise ConfigError("--coordinator and --replica-ids need --elastic")
+        if t.coordinator:
+            parse_address(t.coordinator)
+        local_replicas(t.replica_ids, m.replicas)
         if t.respawn < 0:
             raise ConfigError(f"--respawn must be >= 0, got {t.respawn}")
         if t.respawn and not m.elastic:
@@ -383,6 +395,30 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", 
 """Settings that may differ when a run is resumed: none of them changes the computed numbers
 (weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
 waits for peers."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` → (host, port); a ConfigError names the flag otherwise."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator must be HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+def local_replicas(spec: str | None, replicas: int) -> list[int]:
+    """``--replica-ids``: "0-3", "4,5" or "0-1,6" → replica numbers (default: all)."""
+    if not spec:
+        return list(range(replicas))
+    out: list[int] = []
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ConfigError(f"--replica-ids must look like 0-3 or 4,5, got {spec!r}") from None
+    if not out or len(set(out)) != len(out) or not all(0 <= r < replicas for r in out):
+        raise ConfigError(f"--replica-ids {spec} must name distinct replicas in 0..{replicas - 1}")
+    return sorted(out)
 
 
 def _positive(flag: str, v: int) -> None:

@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from typing import Any
 
+from noloco.config import local_replicas, parse_address
 from noloco.elastic import heartbeat_key
 from noloco.elastic_worker import combine
 from noloco.launch import Supervisor
@@ -31,20 +34,35 @@ class ElasticSupervisor(Supervisor):
             print("noloco: error: --resume of an elastic run is not supported yet (each "
                   "replica's checkpoints are under checkpoints/replica-K/)", file=sys.stderr)
             return 2
-        self.host_store()
+        t = self.cfg.train
+        self.local = local_replicas(t.replica_ids, self.world)
+        if t.coordinator:  # across machines: the coordinator hosts the store
+            import torch.distributed as dist
+
+            self.coordinator = parse_address(t.coordinator)
+            try:
+                self.store = dist.TCPStore(*self.coordinator, None, False,
+                                           timedelta(seconds=self.cfg.method.comm_timeout))
+            except Exception as e:  # noqa: BLE001 - one line, whatever the store says
+                print(f"noloco: error: cannot reach the coordinator at {t.coordinator} "
+                      f"({str(e).splitlines()[0][:160]})", file=sys.stderr)
+                return 1
+        else:
+            self.coordinator = None
+            self.host_store()
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.time()
-        self.incarnation = {r: 0 for r in range(self.world)}
+        self.incarnation = {r: 0 for r in self.local}
         self.joins: list[dict[str, Any]] = []
         respawns = self.cfg.train.respawn
         finished: set[int] = set()
         dead: set[int] = set()
         try:
-            self.procs = {r: self._start(r) for r in range(self.world)}
-            while len(finished | dead) < self.world:
+            self.procs = {r: self._start(r) for r in self.local}
+            while len(finished | dead) < len(self.local):
                 if self.signum is not None:
                     self._stop_all()
-                    step = max((self._step(r) for r in range(self.world)), default=0)
+                    step = max((self._step(r) for r in self.local), default=0)
                     with contextlib.suppress(OSError):
                         RunDir(self.out).update_summary(status="interrupted", last_step=step,
                                                         exit_code=128 + self.signum,
@@ -84,8 +102,9 @@ class ElasticSupervisor(Supervisor):
             return 1
         per = summary["final_val_loss_per_replica"]
         lost = f", {len(self.failures)} failure(s)" if self.failures else ""
-        print(f"done: elastic {summary['method']}, {len(finished)} of {self.world} replicas "
-              f"finished{lost} in {summary['wall_seconds']:.1f} s\n"
+        here = "" if len(self.local) == self.world else " here"
+        print(f"done: elastic {summary['method']}, {len(finished)} of {len(self.local)} replicas"
+              f"{here} finished{lost} in {summary['wall_seconds']:.1f} s\n"
               f"  validation loss {summary['final_val_loss']:.4f} (replicas "
               f"{min(per.values()):.4f}–{max(per.values()):.4f}), weight spread "
               f"{summary['weight_spread']:.2e}\n"
@@ -94,9 +113,19 @@ class ElasticSupervisor(Supervisor):
         return 0
 
     def _start(self, replica: int) -> subprocess.Popen:
-        env = dict(self._env(0), RANK=str(replica), LOCAL_RANK=str(replica),
+        env = dict(self._env(0), RANK=str(replica), LOCAL_RANK=str(self.local.index(replica)),
+                   LOCAL_WORLD_SIZE=str(len(self.local)),
                    NOLOCO_REPLICA=str(replica), NOLOCO_STAGE="0", NOLOCO_ELASTIC="1",
                    NOLOCO_INCARNATION=str(self.incarnation[replica]))
+        if self.coordinator is not None:
+            # Across machines: the coordinator's store, and gloo on the interface the user
+            # names (GLOO_SOCKET_IFNAME) or the one the hostname resolves to — not loopback.
+            env.update(MASTER_ADDR=self.coordinator[0], MASTER_PORT=str(self.coordinator[1]))
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if var in os.environ:
+                    env[var] = os.environ[var]
+                else:
+                    env.pop(var, None)
         return subprocess.Popen([sys.executable, "-m", "noloco.worker",
                                  json.dumps(self.cfg.to_dict())], env=env,
                                 start_new_session=True)

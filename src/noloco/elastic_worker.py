@@ -253,11 +253,12 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     m, t = cfg.method, cfg.train
     replica = int(os.environ["NOLOCO_REPLICA"])
     incarnation = int(os.environ.get("NOLOCO_INCARNATION", "0"))
-    lay = Layout(rank=replica, world=m.replicas, local_world=m.replicas, replica=replica,
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", m.replicas))
+    lay = Layout(rank=replica, world=m.replicas, local_world=local_world, replica=replica,
                  stage=0, replicas=m.replicas, stages=1)
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
-    device = pick_device(t.device, replica, lay.local_world)
+    device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
                           False, timedelta(seconds=m.comm_timeout))
     status.store, status.attempt = store, incarnation  # the launcher reads a failure report

@@ -55,8 +55,9 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
     status = status or WorkerStatus()
     if cfg.method.elastic:
         if os.environ.get("NOLOCO_ELASTIC") != "1":
-            raise ConfigError("--elastic runs under noloco's local launcher only (noloco train "
-                              "--elastic ...); not under torchrun yet")
+            raise ConfigError("--elastic does not run under torchrun: across machines, start "
+                              "`noloco coordinator` and `noloco train --elastic --coordinator "
+                              "HOST:PORT --replica-ids ...` on each (docs/elastic.md)")
         from noloco import elastic_worker
         return elastic_worker.run(cfg, status)
     cfg = cfg.resolved()
