@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ def test_two_machines_one_replica_killed_the_others_finish(tmp_path, shakespeare
         outs = [p.communicate(timeout=240) for p in procs]
         coord.terminate()
         coord.wait(timeout=10)
-    for p, (out, err) in zip(procs, outs, strict=True):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err
     s0 = json.loads((tmp_path / "machine0" / "summary.json").read_text())
     s1 = json.loads((tmp_path / "machine1" / "summary.json").read_text())

@@ -40,6 +40,7 @@ class ElasticSupervisor(Supervisor):
             import torch.distributed as dist
 
             self.coordinator = parse_address(t.coordinator)
+            self.port = self.coordinator[1]
             try:
                 self.store = dist.TCPStore(*self.coordinator, None, False,
                                            timedelta(seconds=self.cfg.method.comm_timeout))

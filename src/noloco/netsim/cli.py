@@ -1,4 +1,5 @@
-"""``noloco netsim latency|blocking|churn|utilisation|predict``: the network model on the command line.
+"""``noloco netsim latency|blocking|churn|utilisation|predict``: the network model, on the
+command line.
 
 Every subcommand prints an aligned table, or one JSON object with ``--json``, and can draw a
 figure with ``--plot FILE.png`` (matplotlib, an optional extra, is imported only then). Bad
