@@ -218,3 +218,48 @@ def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, shakespeare):
         assert all((w[f"replica-{k}.safetensors"][n] == ref[n]).all() for n in ref), k
     others = [v for k, v in s["longest_wait_seconds"].items() if k != "2"]
     assert max(others) < TIMEOUT + 1.5
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_member_lost_midway_is_retried_among_the_survivors():
+    """Three replicas in threads over one store; replica 2 arrives, connects, then vanishes
+    (its process group closed, its heartbeat stopped) before the all-reduce: 0 and 1 discard
+    the failed attempt and average between themselves."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from noloco.elastic import ElasticCommunicator, Membership
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
+                          wait_for_workers=False)
+    members = [Membership(store, r, 3, 2.0).start() for r in range(3)]
+    comms = [ElasticCommunicator(m, 2.0) for m in members]
+    out: dict[int, torch.Tensor] = {}
+
+    def survivor(r: int) -> None:
+        t = torch.full((1000,), float(r + 1))
+        comms[r].all_reduce_mean_async(t).wait()
+        out[r] = t
+
+    def vanishing() -> None:
+        c = comms[2]
+        candidates = c.members()
+        final, tag = c._agree(0, candidates, 0)
+        pg = c._group(tag, final)  # the others' group forms with it ...
+        members[2].stop()
+        del pg  # ... and breaks: its sockets close
+
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in (0, 1)]
+    threads.append(threading.Thread(target=vanishing))
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert torch.equal(out[0], torch.full((1000,), 1.5)) and torch.equal(out[1], out[0])
+    assert comms[0].retries == comms[1].retries == 1
+    assert [e["kind"] for e in comms[0].events] == ["lost", "absent"]
+    for m in members:
+        m.stop()

@@ -14,12 +14,12 @@ from noloco.cli import main
 pytest.importorskip("transformers", reason="the 'hf' extra")
 
 
-def _tiny_llama(path: Path) -> Path:
+def _tiny_llama(path: Path, tie: bool = False, layers: int = 2) -> Path:
     from transformers import LlamaConfig
 
-    LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                 num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                tie_word_embeddings=False).save_pretrained(path)
+                tie_word_embeddings=tie).save_pretrained(path)
     return path
 
 
@@ -68,12 +68,53 @@ def test_weights_are_loaded_and_export_round_trips(tmp_path, shakespeare) -> Non
 
 
 def test_hf_model_bad_input_is_one_line(tmp_path, shakespeare, capsys) -> None:
-    cfg = _tiny_llama(tmp_path / "llama")
+    cfg = _tiny_llama(tmp_path / "llama", tie=True)
     assert main(["train", "--hf-model", str(cfg), "--stages", "2", "--replicas", "1",
                  "--data", str(shakespeare), "--out", str(tmp_path / "x")]) == 2
     assert main(["train", "--hf-model", str(tmp_path / "nowhere"), "--data", str(shakespeare),
                  "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "pipeline stages is not supported" in err[0]
+    assert len(err) == 2 and "input and output embeddings are tied" in err[0]
     assert "--hf-model" in err[1]
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_llama_stages_chained_give_the_whole_model_s_logits(tmp_path) -> None:
+    import torch
+
+    from noloco import hf
+    from noloco.pipeline import build_stage
+
+    cfg = _tiny_llama(tmp_path / "llama", layers=3)
+    whole = hf.build(cfg, seed=0)
+    tokens = torch.randint(0, 257, (2, 16))
+    with torch.no_grad():
+        ref = whole(tokens)
+        stages = [build_stage(hf.build(cfg, seed=0), 3, s) for s in range(3)]
+        h = tokens
+        for st in stages:
+            h = st(h)
+    torch.testing.assert_close(h, ref, rtol=0, atol=1e-5)
+    # the whole model's parameter names, each on exactly one stage
+    names = [n for st in stages for n, _ in st.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in whole.named_parameters())
+
+
+@pytest.mark.timeout(400)
+def test_a_hf_llama_trains_in_pipeline_stages(tmp_path, shakespeare) -> None:
+    cfg = _tiny_llama(tmp_path / "llama")
+    common = ["--hf-model", str(cfg), "--steps", "4", "--eval-every", "4",
+              "--checkpoint-every", "0", "--lr", "3e-3"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert train(one, shakespeare, *common, "--method", "single") == 0
+    assert train(two, shakespeare, *common, "--method", "single", "--stages", "2") == 0
+    # The same model, data and optimizer cut in two: the same losses up to float rounding.
+    assert summary(two)["final_val_loss"] == pytest.approx(summary(one)["final_val_loss"],
+                                                           rel=1e-4)
+    noloco = tmp_path / "noloco"
+    assert train(noloco, shakespeare, *common, "--method", "noloco", "--replicas", "2",
+                 "--stages", "2", "--sync-every", "2") == 0
+    s = summary(noloco)
+    assert s["final_val_loss"] < metrics(noloco)[0]["val_loss"] and s["activation_bytes"] > 0
+    assert main(["export", str(noloco), str(tmp_path / "hf")]) == 0  # the stages' shards join
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -85,6 +86,56 @@ def test_tensorboard_events_hold_every_metric(tmp_path, shakespeare) -> None:
     from run_utils import metrics
     last = metrics(out)[-1]
     assert acc.Scalars("val_loss")[-1].value == pytest.approx(last["val_loss"], rel=1e-6)
+
+
+def _wandb_records(b: bytes) -> list[bytes]:
+    """The protobuf records of a .wandb file: a 7-byte file header (":W&B", magic, version),
+    then LevelDB-log framing — 32 KiB blocks of chunks, each with a 7-byte header (crc32,
+    length, type: 1 full, 2 first, 3 middle, 4 last). Read here because wandb 0.31 no longer
+    ships a Python reader."""
+    import struct
+
+    out, pos, buf, block = [], 7, b"", 32768
+    while pos + 7 <= len(b):
+        left = block - pos % block
+        _, length, kind = struct.unpack("<IHB", b[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left  # block padding
+            continue
+        data, pos = b[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 1:
+            out.append(data)
+        elif kind == 2:
+            buf = data
+        elif kind == 3:
+            buf += data
+        elif kind == 4:
+            out.append(buf + data)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_wandb_offline_run_holds_every_evaluation(tmp_path, shakespeare) -> None:
+    pytest.importorskip("wandb", reason="the 'wandb' extra")
+    from run_utils import metrics
+    from wandb.proto import wandb_internal_pb2
+
+    out = tmp_path / "wb"
+    assert train(out, shakespeare, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
+                 "--steps", "4", "--eval-every", "2", "--checkpoint-every", "0",
+                 "--wandb") == 0
+    files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, list((out / "wandb").rglob("*"))
+    rows = []
+    for data in _wandb_records(files[0].read_bytes()):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in rec.history.item})
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    assert [r["val_loss"] for r in rows] == pytest.approx([m["val_loss"] for m in metrics(out)])
+    assert "train_loss" not in rows[0] and "val_loss_per_replica/1" in rows[-1]
 
 
 @pytest.mark.timeout(240)

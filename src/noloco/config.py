@@ -178,6 +178,9 @@ class TrainConfig:
         "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
         "first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
+    wandb: bool = opt(
+        False, "also log every metric to Weights & Biases in offline mode under OUT/wandb/ "
+        "(needs the 'wandb' extra; `wandb sync` uploads it later)")
     tensorboard: bool = opt(
         False, "also write every metric as TensorBoard events under OUT/tensorboard/ (needs "
         "the 'tb' extra)")
@@ -254,8 +257,7 @@ class Config:
             what, max_len, n_layers = (f"--hf-model {self.model.hf_model}",
                                        hf.max_positions(hf_cfg), hf.n_layers(hf_cfg))
             if m.stages > 1:
-                raise ConfigError("--hf-model with --stages > 1: splitting a Hugging Face model "
-                                  "into pipeline stages is not supported yet")
+                _check_hf_stages(hf_cfg, self.model.hf_model)
         else:
             what = f"preset {self.model.preset!r}"
             max_len = PRESETS[self.model.preset].max_seq_len
@@ -389,12 +391,29 @@ class Config:
 
 
 RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", "train.tensorboard",
-             "train.overwrite", "train.checkpoint_every", "train.keep_checkpoints",
-             "train.max_restarts", "train.inject_fault", "method.comm_timeout",
-             "method.stall_warning", "method.peer_timeout", "train.respawn")
+             "train.wandb", "train.overwrite", "train.checkpoint_every",
+             "train.keep_checkpoints", "train.max_restarts", "train.inject_fault",
+             "method.comm_timeout", "method.stall_warning", "method.elastic",
+             "method.peer_timeout", "train.respawn", "train.coordinator", "train.replica_ids")
 """Settings that may differ when a run is resumed: none of them changes the computed numbers
 (weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
 waits for peers."""
+
+
+def _check_hf_stages(hf_cfg: Any, path: str) -> None:
+    """--stages > 1 cuts Llama-family models only (:func:`noloco.hf.llama_like`)."""
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        raise ConfigError(f"--hf-model {path} with --stages > 1: its input and output embeddings "
+                          f"are tied (set tie_word_embeddings false in its config.json)")
+    if getattr(hf_cfg, "model_type", None) not in LLAMA_LIKE:
+        raise ConfigError(f"--hf-model {path} with --stages > 1: pipeline stages are built for "
+                          f"Llama-family models ({', '.join(LLAMA_LIKE)}), not "
+                          f"{getattr(hf_cfg, 'model_type', '?')}")
+
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+"""Hugging Face model types laid out like Llama (embed_tokens, decoder layers taking rotary
+position embeddings, norm, lm_head): the ones --stages can cut"""
 
 
 def parse_address(text: str) -> tuple[str, int]:

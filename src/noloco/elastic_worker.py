@@ -296,8 +296,12 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             finished[r] = json.loads(p.read_text())
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in range(m.replicas):
-        for rec in read_jsonl(replica_metrics(out, r)) if replica_metrics(out, r).is_file() else []:
-            by_step.setdefault(rec["step"], []).append(rec)
+        path = replica_metrics(out, r)
+        # A respawned replica appends to its file; where its new life repeats a step (its
+        # donor was behind it), the newest record of the step counts.
+        latest = {rec["step"]: rec for rec in (read_jsonl(path) if path.is_file() else [])}
+        for step, rec in latest.items():
+            by_step.setdefault(step, []).append(rec)
     rundir = RunDir(out)
     lines = []
     for step in sorted(by_step):

@@ -102,3 +102,55 @@ def from_config_dict(config: dict[str, Any]) -> HFCausalLM:
     buffers, e.g. rotary tables, are computed here)."""
     cfg = config_from_dict(config)
     return HFCausalLM(_transformers().AutoModelForCausalLM.from_config(cfg).float())
+
+
+# ---- pipeline stages of Llama-family models ---------------------------------------------------
+
+def llama_like(model: HFCausalLM) -> str | None:
+    """Why ``model`` cannot be cut into pipeline stages, or None if it can: the Llama layout
+    (``model.embed_tokens``, ``model.layers`` of decoder layers taking rotary
+    ``position_embeddings``, ``model.norm``, ``model.rotary_emb``, ``lm_head``) with untied
+    input and output embeddings (tied ones would have to live on two stages at once)."""
+    hf = model.hf
+    base = getattr(hf, "model", None)
+    if base is None or not all(hasattr(base, a) for a in
+                               ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(hf, "lm_head"):
+        return (f"a {type(hf).__name__} is not laid out like a Llama (embed_tokens, layers, "
+                f"norm, rotary_emb, lm_head)")
+    if getattr(model.config, "tie_word_embeddings", False):
+        return "its input and output embeddings are tied (set tie_word_embeddings false)"
+    return None
+
+
+class LlamaStage(nn.Module):
+    """Blocks ``blocks`` of a Llama-family model (stage 0 with the embeddings, the last stage
+    with the final norm and the head). Parameter names keep the whole model's
+    (``hf.model.layers.K...``), so fragments, checkpoints and the saved model are the same as
+    with one stage."""
+
+    def __init__(self, model: HFCausalLM, blocks: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        hf, base = model.hf, model.hf.model
+        self.blocks, self.first, self.last = blocks, first, last
+        self.hf = nn.Module()
+        self.hf.model = nn.Module()
+        self.hf.model.layers = nn.ModuleDict({str(k): base.layers[k] for k in blocks})
+        self.hf.model.rotary_emb = base.rotary_emb  # buffers only
+        if first:
+            self.hf.model.embed_tokens = base.embed_tokens
+        if last:
+            self.hf.model.norm = base.norm
+            self.hf.lm_head = hf.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.hf.model
+        h = m.embed_tokens(x) if self.first else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rotary = m.rotary_emb(h, positions)
+        for layer in m.layers.values():
+            # No mask: the attention is causal (sdpa's is_causal), as in the whole model.
+            out = layer(h, attention_mask=None, position_ids=positions,
+                        position_embeddings=rotary)
+            h = out[0] if isinstance(out, tuple) else out
+        return self.hf.lm_head(m.norm(h)) if self.last else h

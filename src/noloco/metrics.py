@@ -213,6 +213,37 @@ class TensorBoard:
         self.writer.close()
 
 
+class WandB:
+    """The same metrics as :class:`TensorBoard`, into a Weights & Biases run in offline mode
+    under ``OUT/wandb/`` (rank 0): nothing leaves the machine; ``wandb sync OUT/wandb/offline-*``
+    uploads it later if the user wants to."""
+
+    def __init__(self, out: str, config: dict[str, Any], start_step: int = 0) -> None:
+        try:
+            import wandb
+        except ImportError:
+            from noloco.config import ConfigError
+            raise ConfigError("--wandb needs the 'wandb' extra: pip install 'noloco[wandb]'"
+                              ) from None
+        self.wandb = wandb
+        self.run = wandb.init(mode="offline", dir=str(out), project="noloco",
+                              name=Path(out).name, config=config, reinit="create_new",
+                              settings=wandb.Settings(console="off", silent=True))
+        self.start_step = start_step
+
+    def log(self, rec: dict[str, Any]) -> None:
+        row = {k: float(rec[k]) for k in TensorBoard.SCALARS
+               if rec.get(k) is not None and rec[k] == rec[k]}
+        for r, v in enumerate(rec.get("val_loss_per_replica") or []):
+            if v is not None and v == v:
+                row[f"val_loss_per_replica/{r}"] = float(v)
+        row["step"] = int(rec["step"])
+        self.run.log(row)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 def _peak_rss_bytes() -> float:
     import resource
     import sys

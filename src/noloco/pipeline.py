@@ -151,9 +151,24 @@ class Stage(nn.Module):
         return self.output(self.norm(h)) if self.last else h
 
 
-def build_stage(model: Transformer, stages: int, stage: int, prune: bool = True) -> Stage:
+def build_stage(model: Any, stages: int, stage: int, prune: bool = True) -> nn.Module:
     """Stage ``stage`` of ``stages``; with ``prune`` the other stages' modules are dropped
-    from ``model`` (replaced by ``nn.Identity``) so their memory is freed."""
+    from ``model`` (replaced by ``nn.Identity``) so their memory is freed. ``model`` is
+    noloco's Transformer or a Llama-family Hugging Face model (:class:`noloco.hf.LlamaStage`)."""
+    if not isinstance(model, Transformer):
+        from noloco.hf import LlamaStage, llama_like, n_layers
+
+        why = llama_like(model)
+        if why is not None:
+            raise ValueError(f"cannot cut this model into pipeline stages: {why}")
+        blocks = stage_blocks(n_layers(model.config), stages, stage)
+        st = LlamaStage(model, blocks, stage == 0, stage == stages - 1)
+        if prune:
+            base = model.hf.model
+            for k in range(len(base.layers)):
+                if k not in blocks:
+                    base.layers[k] = nn.Identity()
+        return st
     st = Stage(model, stages, stage)
     if prune:
         for k in range(len(model.layers)):
@@ -178,7 +193,7 @@ class PipelineRunner:
         m = cfg.method
         self.lay, self.device = lay, device
         self.stage = build_stage(model, lay.stages, lay.stage)
-        self.dim = model.args.dim
+        self.dim = model.args.dim if isinstance(model, Transformer) else model.config.hidden_size
         self.batch_size = cfg.data.batch_size
         self.microbatches = m.microbatches or default_microbatches(self.batch_size, lay.stages)
         if self.microbatches > self.batch_size:

@@ -24,7 +24,14 @@ from noloco.config import Config, ConfigError
 from noloco.distributed import DistContext, Layout, make_comms
 from noloco.faults import FaultInjector, parse_faults
 from noloco.methods import build_method
-from noloco.metrics import Progress, TensorBoard, gather_metrics, gather_scalars, run_summary
+from noloco.metrics import (
+    Progress,
+    TensorBoard,
+    WandB,
+    gather_metrics,
+    gather_scalars,
+    run_summary,
+)
 from noloco.model import build, count_params, lm_loss, preset
 from noloco.rundir import RunDir
 from noloco.watchdog import Watchdog
@@ -161,6 +168,7 @@ class Trainer:
         torch.manual_seed(t.seed * 1009 + lay.rank)  # dropout differs per worker, on purpose
         self.watchdog = None
         self.tensorboard: TensorBoard | None = None
+        self.wandb: WandB | None = None
         if ctx.store is not None:
             self.watchdog = Watchdog(ctx.store, lay.rank, ctx.attempt, lay.describe,
                                      m.stall_warning).start()
@@ -269,6 +277,10 @@ class Trainer:
                 if self.tensorboard is None:  # the first evaluation of this (resumed) run
                     self.tensorboard = TensorBoard(str(self.cfg.train.out), start_step=step)
                 self.tensorboard.log(rec)
+            if self.cfg.train.wandb:
+                if self.wandb is None:
+                    self.wandb = WandB(str(self.cfg.train.out), self.cfg.to_dict(), step)
+                self.wandb.log(rec)
             log.eval_line(rec)
         st.metric_lines += 1
         st.last_eval_step = step
@@ -391,8 +403,9 @@ class Trainer:
                 "method": cfg.method.method})
 
     def close(self, ok: bool) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for logger in (self.tensorboard, self.wandb):
+            if logger is not None:
+                logger.close()
         try:
             self.ckpt.close(wait=ok)
         finally:
