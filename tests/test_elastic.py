@@ -189,7 +189,11 @@ def test_diloco_survivors_stay_identical_after_a_death(tmp_path, shakespeare):
 
 @pytest.mark.parametrize("args, message", [
     (["--method", "ddp", "--elastic"], "--elastic applies to noloco, diloco and streaming"),
-    (["--method", "noloco", "--elastic", "--stages", "2"], "--elastic with --stages > 1"),
+    (["--method", "noloco", "--elastic", "--stages", "2"], "needs --routing fixed"),
+    (["--method", "diloco", "--elastic", "--stages", "2", "--routing", "fixed"],
+     "supports --method noloco only"),
+    (["--method", "noloco", "--elastic", "--stages", "2", "--routing", "fixed", "--respawn",
+      "1"], "--respawn with --stages > 1 is not supported yet"),
     (["--method", "noloco", "--respawn", "1"], "--respawn needs --elastic"),
     (["--method", "noloco", "--elastic", "--peer-timeout", "0"], "--peer-timeout must be > 0"),
     (["--method", "streaming", "--elastic", "--quantize", "fp4"], "quantised all-reduce"),
@@ -263,3 +267,37 @@ def test_an_all_reduce_member_lost_midway_is_retried_among_the_survivors():
     assert [e["kind"] for e in comms[0].events] == ["lost", "absent"]
     for m in members:
         m.stop()
+
+
+STAGES = ["--stages", "2", "--routing", "fixed"]
+
+
+@pytest.mark.timeout(300)
+def test_with_pipeline_stages_elastic_equals_static_and_survives_a_kill(tmp_path, shakespeare):
+    """Fixed routing keeps a replica's samples in its own pipeline: its stages are a fault
+    domain of their own (a process group per replica), and stage s of each replica exchanges
+    with stage s of its partners."""
+    runs = {}
+    for mode, extra in (("static", []), ("elastic", ["--elastic"])):
+        runs[mode] = tmp_path / mode
+        r = cli("train", "--data", str(shakespeare), *RUN, *STAGES, "--method", "noloco",
+                "--steps", "40", "--out", str(runs[mode]), *extra)
+        assert r.returncode == 0, r.stderr
+    a, b = weights(runs["static"]), weights(runs["elastic"])
+    assert set(a) == set(b) and "replica-3.stage-1.safetensors" in b
+    for name in a:
+        assert all((a[name][k] == b[name][k]).all() for k in a[name]), name
+    s, e = summary(runs["static"]), summary(runs["elastic"])
+    assert set(e["bytes_sent_per_replica"].values()) == {s["bytes_sent_per_replica"]}
+    assert math.isclose(e["weight_spread"], s["weight_spread"], rel_tol=1e-6)
+
+    out = tmp_path / "killed"
+    r = cli("train", "--data", str(shakespeare), *RUN, *STAGES, "--method", "noloco",
+            "--steps", "80", "--elastic", "--inject-fault", "kill:2@30", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    k = summary(out)
+    assert k["replicas_finished"] == [0, 1, 3]
+    assert [(f["replica"], f["kind"]) for f in k["failures"]] == [(2, "SIGKILL")]
+    assert max(k["longest_wait_seconds"].values()) < TIMEOUT + 1.5
+    assert all(math.isfinite(v) for v in k["final_val_loss_per_replica"].values())
+    assert (out / "model" / "average.stage-1.safetensors").is_file()

@@ -341,10 +341,16 @@ class Config:
             if m.method not in ("noloco", "diloco", "streaming"):
                 raise ConfigError(f"--elastic applies to noloco, diloco and streaming, not "
                                   f"{m.method}")
-            if m.stages > 1:
-                raise ConfigError("--elastic with --stages > 1 is not supported: activations "
-                                  "cross replicas every step, so a replica is not a fault domain "
-                                  "(docs/elastic.md)")
+            if m.stages > 1 and m.routing != "fixed":
+                raise ConfigError("--elastic with --stages > 1 needs --routing fixed: with "
+                                  "random routing activations cross replicas every step, so a "
+                                  "replica is not a fault domain (docs/elastic.md)")
+            if m.stages > 1 and m.method != "noloco":
+                raise ConfigError("--elastic with --stages > 1 supports --method noloco only "
+                                  "(a DiLoCo replica that heals would have to move all its "
+                                  "stages at one step)")
+            if m.stages > 1 and t.respawn:
+                raise ConfigError("--respawn with --stages > 1 is not supported yet")
             if m.quantize != "none" and m.method != "noloco":
                 raise ConfigError("--elastic with a quantised all-reduce is not supported "
                                   "(use --quantize none, or noloco)")

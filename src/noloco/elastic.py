@@ -55,20 +55,23 @@ from noloco.comm import Communicator, Pending, ring_all_reduce_bytes
 PREFIX = "noloco/elastic"
 
 
-def heartbeat_key(replica: int) -> str:
-    return f"{PREFIX}/hb/{replica}"
+def heartbeat_key(replica: int, stage: int = 0) -> str:
+    return f"{PREFIX}/hb/{replica}/{stage}"
 
 
-def done_key(replica: int) -> str:
-    return f"{PREFIX}/done/{replica}"
+def done_key(replica: int, stage: int = 0) -> str:
+    return f"{PREFIX}/done/{replica}/{stage}"
 
 
 class Membership:
-    """Heartbeats of this replica and who is alive (see the module docstring)."""
+    """Heartbeats of this worker (one stage of one replica) and which replicas are alive: a
+    replica with pipeline stages is alive while every one of its stages is (they fail
+    together: a stage cannot train without the others)."""
 
     def __init__(self, store: Any, replica: int, replicas: int, peer_timeout: float,
-                 incarnation: int = 0) -> None:
+                 incarnation: int = 0, stage: int = 0, stages: int = 1) -> None:
         self.store, self.replica, self.replicas = store, replica, replicas
+        self.stage, self.stages = stage, stages
         self.peer_timeout, self.incarnation = peer_timeout, incarnation
         self.interval = min(1.0, peer_timeout / 5)
         self.step = 0
@@ -83,7 +86,7 @@ class Membership:
         return self
 
     def beat(self) -> None:
-        self.store.set(heartbeat_key(self.replica), json.dumps(
+        self.store.set(heartbeat_key(self.replica, self.stage), json.dumps(
             {"t": time.time(), "step": self.step, "incarnation": self.incarnation}))
 
     def _loop(self) -> None:
@@ -97,7 +100,7 @@ class Membership:
         """Announce that this replica finished: nobody waits for it any more."""
         self._stop.set()
         try:
-            self.store.set(done_key(self.replica), "1")
+            self.store.set(done_key(self.replica, self.stage), "1")
         except Exception:  # noqa: BLE001
             pass
 
@@ -110,9 +113,12 @@ class Membership:
             if r == self.replica:
                 out.append(r)
                 continue
-            if not self.store.check([heartbeat_key(r)]) or self.store.check([done_key(r)]):
+            beats = [heartbeat_key(r, s) for s in range(self.stages)]
+            if not self.store.check(beats) or any(
+                    self.store.check([done_key(r, s)]) for s in range(self.stages)):
                 continue
-            if now - json.loads(self.store.get(heartbeat_key(r)))["t"] <= self.peer_timeout:
+            if all(now - json.loads(self.store.get(k))["t"] <= self.peer_timeout
+                   for k in beats):
                 out.append(r)
         return out
 
@@ -176,7 +182,8 @@ class ElasticCommunicator(Communicator):
     def _agree(self, call: int, group: Sequence[int], attempt: int) -> tuple[list[int], str]:
         """The members of ``group`` that arrived in time (the same list for all of them; this
         replica is not in it if it came too late), and the operation's store tag."""
-        tag = f"{PREFIX}/op/{call}/{attempt}/" + "-".join(map(str, group))
+        # Each stage's replicas exchange among themselves (their own fragment of the model).
+        tag = f"{PREFIX}/op/{call}/s{self.m.stage}/{attempt}/" + "-".join(map(str, group))
         decided = f"{tag}/set"
         arrived = {r: f"{tag}/in/{r}" for r in group}
         self.store.set(arrived[self.rank], "1")

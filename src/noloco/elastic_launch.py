@@ -35,7 +35,8 @@ class ElasticSupervisor(Supervisor):
                   "replica's checkpoints are under checkpoints/replica-K/)", file=sys.stderr)
             return 2
         t = self.cfg.train
-        self.local = local_replicas(t.replica_ids, self.world)
+        self.replicas = self.cfg.method.replicas
+        self.local = local_replicas(t.replica_ids, self.replicas)
         if t.coordinator:  # across machines: the coordinator hosts the store
             import torch.distributed as dist
 
@@ -59,7 +60,7 @@ class ElasticSupervisor(Supervisor):
         finished: set[int] = set()
         dead: set[int] = set()
         try:
-            self.procs = {r: self._start(r) for r in self.local}
+            self.reps = {r: self._start(r) for r in self.local}
             while len(finished | dead) < len(self.local):
                 if self.signum is not None:
                     self._stop_all()
@@ -71,17 +72,25 @@ class ElasticSupervisor(Supervisor):
                     print(f"noloco: interrupted at step {step} (elastic runs cannot be resumed "
                           f"yet)", file=sys.stderr, flush=True)
                     return 128 + self.signum
-                for r, p in list(self.procs.items()):
+                for r, stages in list(self.reps.items()):
                     if r in finished or r in dead:
                         continue
-                    code = p.poll()
-                    if code is None:
-                        continue
-                    if code == 0:
+                    codes = [p.poll() for p in stages]
+                    if all(c == 0 for c in codes):
                         finished.add(r)
                         continue
-                    self._record_failure(r, code)
-                    others = [q for q in self.procs if q != r and q not in finished | dead]
+                    failed = [c for c in codes if c not in (None, 0)]
+                    if not failed:
+                        continue
+                    # A replica fails as a whole: its other stages cannot train without this
+                    # one (they would wait for it until the timeout).
+                    for p in stages:
+                        if p.poll() is None:
+                            with contextlib.suppress(ProcessLookupError):
+                                p.kill()
+                            p.wait()
+                    self._record_failure(r, min(failed))  # a signal (< 0) names the cause
+                    others = [q for q in self.reps if q != r and q not in finished | dead]
                     if respawns > 0 and others:
                         respawns -= 1
                         self.incarnation[r] += 1
@@ -89,7 +98,7 @@ class ElasticSupervisor(Supervisor):
                                            "started": time.time()})
                         print(f"noloco: starting replica {r} again (it joins from a live "
                               f"replica)", file=sys.stderr, flush=True)
-                        self.procs[r] = self._start(r)
+                        self.reps[r] = self._start(r)
                     else:
                         dead.add(r)
                 time.sleep(0.05)
@@ -103,7 +112,7 @@ class ElasticSupervisor(Supervisor):
             return 1
         per = summary["final_val_loss_per_replica"]
         lost = f", {len(self.failures)} failure(s)" if self.failures else ""
-        here = "" if len(self.local) == self.world else " here"
+        here = "" if len(self.local) == self.replicas else " here"
         print(f"done: elastic {summary['method']}, {len(finished)} of {len(self.local)} replicas"
               f"{here} finished{lost} in {summary['wall_seconds']:.1f} s\n"
               f"  validation loss {summary['final_val_loss']:.4f} (replicas "
@@ -113,10 +122,21 @@ class ElasticSupervisor(Supervisor):
               flush=True)
         return 0
 
-    def _start(self, replica: int) -> subprocess.Popen:
-        env = dict(self._env(0), RANK=str(replica), LOCAL_RANK=str(self.local.index(replica)),
-                   LOCAL_WORLD_SIZE=str(len(self.local)),
-                   NOLOCO_REPLICA=str(replica), NOLOCO_STAGE="0", NOLOCO_ELASTIC="1",
+    def _start(self, replica: int) -> list[subprocess.Popen]:
+        """The replica's P stage workers (``self.procs``, by global rank, lists every worker
+        for stopping them all)."""
+        procs = []
+        for stage in range(self.stages):
+            rank = replica * self.stages + stage
+            self.procs[rank] = p = self._start_worker(replica, stage, rank)
+            procs.append(p)
+        return procs
+
+    def _start_worker(self, replica: int, stage: int, rank: int) -> subprocess.Popen:
+        local_rank = self.local.index(replica) * self.stages + stage
+        env = dict(self._env(0), RANK=str(rank), LOCAL_RANK=str(local_rank),
+                   LOCAL_WORLD_SIZE=str(len(self.local) * self.stages),
+                   NOLOCO_REPLICA=str(replica), NOLOCO_STAGE=str(stage), NOLOCO_ELASTIC="1",
                    NOLOCO_INCARNATION=str(self.incarnation[replica]))
         if self.coordinator is not None:
             # Across machines: the coordinator's store, and gloo on the interface the user

@@ -43,12 +43,16 @@ from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.train import AVERAGED_METHODS, Trainer, weights_checksum
 
 
-def replica_metrics(out: Path, replica: int) -> Path:
-    return Path(out) / "metrics" / f"replica-{replica}.jsonl"
+def _worker_name(replica: int, stage: int, stages: int) -> str:
+    return f"replica-{replica}" + (f".stage-{stage}" if stages > 1 else "")
 
 
-def replica_summary(out: Path, replica: int) -> Path:
-    return Path(out) / "metrics" / f"replica-{replica}.json"
+def replica_metrics(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
+    return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.jsonl"
+
+
+def replica_summary(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
+    return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.json"
 
 
 def _join_counter(donor: int) -> str:
@@ -63,12 +67,23 @@ class ElasticTrainer(Trainer):
         super().__init__(cfg, lay, device, threads, rundir, ctx, status)
         self.membership = membership
         self.ckpt = ckpt_mod.Checkpointer(
-            rundir.path / "checkpoints" / f"replica-{lay.replica}", 0, 1, cfg.math_hash(),
-            cfg.train.checkpoint_every, cfg.train.keep_checkpoints)
+            self._checkpoint_root(), 0, 1, cfg.math_hash(), cfg.train.checkpoint_every,
+            cfg.train.keep_checkpoints)
         self.served = 0
         """join requests this replica has served (as a donor)"""
         self.joins: list[dict[str, Any]] = []
-        self.metrics_file = replica_metrics(rundir.path, lay.replica)
+        self.metrics_file = replica_metrics(rundir.path, lay.replica, lay.stage, lay.stages)
+
+    def _checkpoint_root(self) -> Path:
+        root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"
+        return root / f"stage-{self.lay.stage}" if self.lay.stages > 1 else root
+
+    def pipeline_layout(self) -> Layout:
+        # The replica's stages are a process group of their own (fixed routing: the samples
+        # stay in their replica's pipeline), so one replica's failure touches no other.
+        lay = self.lay
+        return Layout(rank=lay.stage, world=lay.stages, local_world=lay.local_world,
+                      replica=0, stage=lay.stage, replicas=1, stages=lay.stages)
 
     def make_comms(self) -> tuple[Communicator, Communicator]:
         return (ElasticCommunicator(self._membership, self.cfg.method.peer_timeout),
@@ -78,18 +93,19 @@ class ElasticTrainer(Trainer):
     def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
         e0 = time.perf_counter()
         st = self.state
-        val = self.runner.eval_loss(self.val)
+        val = self.runner.eval_loss(self.val)  # None on a stage before the last
         train = sum(st.last_train) / len(st.last_train) if st.last_train else None
-        rec = {"step": step, "replica": self.lay.replica, "val_loss": val, "train_loss": train,
+        rec = {"step": step, "replica": self.lay.replica, "stage": self.lay.stage,
+               "val_loss": val, "train_loss": train,
                "bytes_sent": self.comm.bytes_sent, "sync_seconds": self.comm.sync_seconds,
                "tokens_per_replica": step * self.tokens_per_step,
                "wall_seconds": self.loop_seconds(), "t": time.time()}
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         append_line(self.metrics_file, json.dumps(rec))
-        if log.enabled:
-            log.line(f"step {step:>6} | replica {self.lay.replica} | val {val:.4f} | sent "
-                     f"{self.comm.bytes_sent / 1e6:,.1f} MB | blocked "
-                     f"{self.comm.sync_seconds:.2f} s")
+        if self.lay.replica == 0 and val is not None:  # replica 0's (last) stage speaks
+            print(f"step {step:>6} | replica 0 | val {val:.4f} | sent "
+                  f"{self.comm.bytes_sent / 1e6:,.1f} MB | blocked "
+                  f"{self.comm.sync_seconds:.2f} s", flush=True)
         st.metric_lines += 1
         st.last_eval_step = step
         st.last_train.clear()
@@ -103,12 +119,15 @@ class ElasticTrainer(Trainer):
         rec = self.evaluate(self.cfg.train.steps, log)
         log.close()
         named = self.runner.named_parameters()
+        lay = self.lay
         ckpt_mod.save_weights(
-            self.rundir.path / ckpt_mod.MODEL_DIR / f"replica-{self.lay.replica}.safetensors",
+            self.rundir.path / ckpt_mod.MODEL_DIR
+            / ckpt_mod.shard_name(f"replica-{lay.replica}", lay.stage, lay.stages),
             dict(named), {"step": str(self.state.step), "method": self.cfg.method.method})
         comm: ElasticCommunicator = self.comm  # type: ignore[assignment]
         summary = {
-            "replica": self.lay.replica, "incarnation": self.membership.incarnation,
+            "replica": self.lay.replica, "stage": self.lay.stage,
+            "incarnation": self.membership.incarnation,
             "steps": self.state.step, "final_val_loss": rec["val_loss"],
             "outer_steps": self.method.outer_steps, "bytes_sent": comm.bytes_sent,
             "sync_seconds": comm.sync_seconds, "compute_seconds": self.state.compute_s,
@@ -122,7 +141,8 @@ class ElasticTrainer(Trainer):
             "param_bytes": self.param_bytes, "device": str(self.device),
             "tokens_per_step": self.tokens_per_step,
         }
-        write_json_atomic(replica_summary(self.rundir.path, self.lay.replica), summary)
+        write_json_atomic(replica_summary(self.rundir.path, lay.replica, lay.stage, lay.stages),
+                          summary)
         self.membership.finish()
         return summary
 
@@ -252,17 +272,26 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     cfg = cfg.resolved()
     m, t = cfg.method, cfg.train
     replica = int(os.environ["NOLOCO_REPLICA"])
+    stage = int(os.environ.get("NOLOCO_STAGE", "0"))
     incarnation = int(os.environ.get("NOLOCO_INCARNATION", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", m.replicas))
-    lay = Layout(rank=replica, world=m.replicas, local_world=local_world, replica=replica,
-                 stage=0, replicas=m.replicas, stages=1)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", m.replicas * m.stages))
+    lay = Layout(rank=replica * m.stages + stage, world=m.replicas * m.stages,
+                 local_world=local_world, replica=replica, stage=stage, replicas=m.replicas,
+                 stages=m.stages)
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
                           False, timedelta(seconds=m.comm_timeout))
     status.store, status.attempt = store, incarnation  # the launcher reads a failure report
-    membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation).start()
+    membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation, stage,
+                            m.stages).start()
+    if m.stages > 1:
+        # The replica's stages: a world of their own, on a store prefix of this incarnation
+        # (a respawned replica must not read its dead predecessor's addresses).
+        dist.init_process_group("gloo", store=dist.PrefixStore(
+            f"{PREFIX}/replica/{replica}/{incarnation}", store), rank=stage,
+            world_size=m.stages, timeout=timedelta(seconds=m.comm_timeout))
     # attempt = incarnation: injected faults fire in the first incarnation only.
     ctx = DistContext(store=None, attempt=incarnation)
     trainer = None
@@ -279,6 +308,8 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
         membership.stop()
         if trainer is not None:
             trainer.close(ok)
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # ---- the run's numbers, from the replicas' own files (the launcher, at the end) -------------
@@ -286,21 +317,38 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
 def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             joins: list[dict[str, Any]], wall_seconds: float) -> dict[str, Any]:
     """summary.json, metrics.jsonl and the model index of an elastic run, from the files the
-    replicas left: the mean over the replicas that reported, at each evaluation step."""
+    replicas left: the mean over the replicas that reported, at each evaluation step. With
+    pipeline stages a replica's bytes are its stages' sum, its losses its last stage's."""
     cfg = cfg.resolved()
     m = cfg.method
-    finished = {}
+    P, last = m.stages, m.stages - 1
+    finished: dict[int, dict[str, Any]] = {}
     for r in range(m.replicas):
-        p = replica_summary(out, r)
-        if p.is_file():
-            finished[r] = json.loads(p.read_text())
+        parts = [replica_summary(out, r, s, P) for s in range(P)]
+        if all(p.is_file() for p in parts):
+            stages = [json.loads(p.read_text()) for p in parts]
+            finished[r] = {**stages[last],
+                           "bytes_sent": sum(x["bytes_sent"] for x in stages),
+                           "sync_seconds": max(x["sync_seconds"] for x in stages),
+                           "longest_wait_seconds": max(x["longest_wait_seconds"]
+                                                       for x in stages),
+                           "partial_operations": sum(x["partial_operations"] for x in stages),
+                           "retries": sum(x["retries"] for x in stages),
+                           "events": [e for x in stages for e in x["events"]],
+                           "joins": [j for x in stages for j in x["joins"]],
+                           "param_bytes": sum(x["param_bytes"] for x in stages)}
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in range(m.replicas):
-        path = replica_metrics(out, r)
-        # A respawned replica appends to its file; where its new life repeats a step (its
+        # A respawned replica appends to its files; where its new life repeats a step (its
         # donor was behind it), the newest record of the step counts.
-        latest = {rec["step"]: rec for rec in (read_jsonl(path) if path.is_file() else [])}
-        for step, rec in latest.items():
+        per_stage = []
+        for s in range(P):
+            path = replica_metrics(out, r, s, P)
+            per_stage.append({rec["step"]: rec for rec in (read_jsonl(path)
+                                                           if path.is_file() else [])})
+        for step, rec in per_stage[last].items():
+            rec = {**rec, "bytes_sent": sum(x[step]["bytes_sent"] for x in per_stage
+                                            if step in x)}
             by_step.setdefault(step, []).append(rec)
     rundir = RunDir(out)
     lines = []
@@ -324,7 +372,7 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
     per = {str(r): s["final_val_loss"] for r, s in finished.items()}
     summary = {
         "status": "completed" if finished else "failed", "method": m.method, "elastic": True,
-        "replicas": m.replicas, "stages": 1, "steps": cfg.train.steps,
+        "replicas": m.replicas, "stages": P, "steps": cfg.train.steps,
         "peer_timeout": m.peer_timeout,
         "replicas_finished": sorted(finished),
         "steps_per_replica": {str(r): s["steps"] for r, s in finished.items()},
@@ -365,16 +413,20 @@ def _spread_and_average(cfg: Config, out: Path, replicas: list[int]) -> float:
     from safetensors.torch import load_file
 
     model_dir = out / ckpt_mod.MODEL_DIR
-    sds = [load_file(str(model_dir / f"replica-{r}.safetensors")) for r in replicas]
-    names = list(sds[0])
-    flats = torch.stack([flatten([sd[n] for n in names], torch.float64) for sd in sds])
-    mean = flats.mean(0)
-    spread = math.sqrt(float(((flats - mean) ** 2).mean())) if len(replicas) > 1 else 0.0
-    if cfg.method.method in AVERAGED_METHODS and len(replicas) > 1:
-        avg = {n: torch.stack([sd[n].float() for sd in sds]).mean(0) for n in names}
-        ckpt_mod.save_weights(model_dir / "average.safetensors", avg,
-                              {"step": str(cfg.train.steps), "method": cfg.method.method})
-    return spread
+    P = cfg.method.stages
+    sq, count = 0.0, 0
+    for s in range(P):  # one stage at a time: memory O(stage × replicas)
+        sds = [load_file(str(model_dir / ckpt_mod.shard_name(f"replica-{r}", s, P)))
+               for r in replicas]
+        names = list(sds[0])
+        flats = torch.stack([flatten([sd[n] for n in names], torch.float64) for sd in sds])
+        sq += float(((flats - flats.mean(0)) ** 2).sum())
+        count += flats.numel()
+        if cfg.method.method in AVERAGED_METHODS and len(replicas) > 1:
+            avg = {n: torch.stack([sd[n].float() for sd in sds]).mean(0) for n in names}
+            ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name("average", s, P), avg,
+                                  {"step": str(cfg.train.steps), "method": cfg.method.method})
+    return math.sqrt(sq / count) if len(replicas) > 1 else 0.0
 
 
 def _write_index(cfg: Config, out: Path, names: list[str]) -> None:
@@ -391,6 +443,6 @@ def _write_index(cfg: Config, out: Path, names: list[str]) -> None:
     else:
         args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
                       dropout=cfg.model.dropout)
-    ckpt_mod.write_model_index(out, args, names, 1, {
+    ckpt_mod.write_model_index(out, args, names, cfg.method.stages, {
         "hf_config": hf_config, "tokenizer": d.tokenizer, "tokenizer_name": tokenizer.name,
         "preset": cfg.model.preset, "step": cfg.train.steps, "method": cfg.method.method})

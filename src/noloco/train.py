@@ -156,7 +156,7 @@ class Trainer:
         self.comm, self.world = self.make_comms()
         if lay.stages > 1:
             from noloco.pipeline import PipelineRunner
-            self.runner: Any = PipelineRunner(model, cfg, lay, device)
+            self.runner: Any = PipelineRunner(model, cfg, self.pipeline_layout(), device)
         else:
             self.runner = LocalRunner(model)
         self.params = self.runner.parameters()
@@ -186,6 +186,11 @@ class Trainer:
     def make_comms(self) -> tuple[Communicator, Communicator]:
         """(the method's communicator, the metrics communicator over all workers)"""
         return make_comms(self.cfg, self.lay)
+
+    def pipeline_layout(self) -> Layout:
+        """The layout the pipeline runs in (an elastic replica's stages are a world of their
+        own)."""
+        return self.lay
 
     def between_steps(self) -> None:
         """Called before every inner step (an elastic run serves joining replicas here)."""
