@@ -75,6 +75,8 @@ class Membership:
         self.peer_timeout, self.incarnation = peer_timeout, incarnation
         self.interval = min(1.0, peer_timeout / 5)
         self.step = 0
+        self.ready = False
+        """training (a joining replica is not, until it has its state)"""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -87,7 +89,8 @@ class Membership:
 
     def beat(self) -> None:
         self.store.set(heartbeat_key(self.replica, self.stage), json.dumps(
-            {"t": time.time(), "step": self.step, "incarnation": self.incarnation}))
+            {"t": time.time(), "step": self.step, "incarnation": self.incarnation,
+             "ready": self.ready}))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -108,19 +111,31 @@ class Membership:
         self._stop.set()
 
     def alive(self) -> list[int]:
-        now, out = time.time(), []
-        for r in range(self.replicas):
-            if r == self.replica:
-                out.append(r)
-                continue
-            beats = [heartbeat_key(r, s) for s in range(self.stages)]
-            if not self.store.check(beats) or any(
-                    self.store.check([done_key(r, s)]) for s in range(self.stages)):
-                continue
-            if all(now - json.loads(self.store.get(k))["t"] <= self.peer_timeout
-                   for k in beats):
-                out.append(r)
-        return out
+        """The replicas alive now (this one always)."""
+        others = live_replicas(self.store, self.replicas, self.stages, self.peer_timeout)
+        return sorted({*others, self.replica})
+
+    def donors(self) -> list[int]:
+        """Live replicas that train (not themselves joining), the furthest along first: the
+        ones a joining or healing replica may take its state from."""
+        live = live_replicas(self.store, self.replicas, self.stages, self.peer_timeout)
+        ready = [(b["step"], r) for r, b in live.items() if r != self.replica and b["ready"]]
+        return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
+
+
+def live_replicas(store: Any, replicas: int, stages: int, peer_timeout: float
+                  ) -> dict[int, dict[str, Any]]:
+    """Replica → its stage 0's newest heartbeat, for every replica whose stages all beat
+    within ``peer_timeout`` and none of which has finished."""
+    now, out = time.time(), {}
+    for r in range(replicas):
+        keys = [heartbeat_key(r, s) for s in range(stages)]
+        if not store.check(keys) or any(store.check([done_key(r, s)]) for s in range(stages)):
+            continue
+        beats = [json.loads(store.get(k)) for k in keys]
+        if all(now - b["t"] <= peer_timeout for b in beats):
+            out[r] = {"ready": False, **beats[0]}
+    return out
 
 
 def groups_of(members: Sequence[int], exchange: int, group_size: int, seed: int = 0
@@ -175,7 +190,7 @@ class ElasticCommunicator(Communicator):
     # ---- who takes part ----------------------------------------------------------------------
     def members(self) -> list[int]:
         """The snapshot of the next operation (fixed by the first replica to reach it)."""
-        key = f"{PREFIX}/snap/{self.calls}"
+        key = f"{PREFIX}/snap/s{self.m.stage}/{self.calls}"
         got = self.store.compare_set(key, "", json.dumps(self.m.alive()))
         return json.loads(got)
 
@@ -239,13 +254,27 @@ class ElasticCommunicator(Communicator):
             self.events.append({"call": call, "step": self.m.step, "kind": "lost",
                                 "missing": present, "error": str(e).splitlines()[0][:200]})
             return _Done(self, [None] * len(peers))
-        works = {}
+        works: dict[int, list[Any]] = {}
+        lost = []
+        # Receives first, as in TorchCommunicator.exchange_async (gloo's "ready" notice). A
+        # peer that closed its group since raises on posting: it is lost, like one that
+        # breaks the transfer later (_PeerWorks).
         for p in present:
-            # Receives first, as in TorchCommunicator.exchange_async (gloo's "ready" notice).
-            works[p] = [pg.recv([bufs[peers.index(p)]], final.index(p), 0)]
-        for p in present:
-            works[p].append(pg.send([tensor], final.index(p), 0))
-        self.bytes_sent += len(present) * tensor.numel() * tensor.element_size()
+            try:
+                works[p] = [pg.recv([bufs[peers.index(p)]], final.index(p), 0)]
+            except RuntimeError:
+                lost.append(p)
+        for p in [p for p in present if p not in lost]:
+            try:
+                works[p].append(pg.send([tensor], final.index(p), 0))
+            except RuntimeError:
+                lost.append(p)
+                works.pop(p)
+        if lost:
+            self.partial += 1
+            self.events.append({"call": call, "step": self.m.step, "kind": "lost",
+                                "missing": lost})
+        self.bytes_sent += len(works) * tensor.numel() * tensor.element_size()
         return _PeerWorks(self, call, pg, peers, bufs, works, self.last_agree_seconds)
 
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
@@ -281,13 +310,25 @@ class ElasticCommunicator(Communicator):
             try:
                 self._group(tag, final).allreduce([tensor]).wait()
             except RuntimeError as e:  # a member died or stalled: discard, retry
-                self.sync_seconds += time.perf_counter() - t0
                 self.retries += 1
                 self.events.append({"call": call, "step": self.m.step, "kind": "lost",
                                     "group": final, "error": str(e).splitlines()[0][:200]})
                 tensor.copy_(original)
-                candidates = final
+                # Did the all-reduce complete on another member? (A ring can finish on some
+                # members and break on others.) Then they stepped without this replica,
+                # which must take their state rather than step apart.
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:
+                    if any(self.store.check([f"{tag}/ok/{r}"]) for r in final):
+                        self.sync_seconds += time.perf_counter() - t0
+                        self.behind = True
+                        return _Done(self, None)
+                    time.sleep(0.02)
+                self.sync_seconds += time.perf_counter() - t0
+                alive = set(self.m.alive())
+                candidates = [r for r in final if r in alive]
                 continue
+            self.store.set(f"{tag}/ok/{self.rank}", "1")
             self.sync_seconds += time.perf_counter() - t0
             self.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(),
                                                      len(final))

@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from noloco.config import local_replicas, parse_address
-from noloco.elastic import heartbeat_key
+from noloco.elastic import heartbeat_key, live_replicas
 from noloco.elastic_worker import combine
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir
@@ -90,7 +90,10 @@ class ElasticSupervisor(Supervisor):
                                 p.kill()
                             p.wait()
                     self._record_failure(r, min(failed))  # a signal (< 0) names the cause
-                    others = [q for q in self.reps if q != r and q not in finished | dead]
+                    # Someone to join from: a replica here, or one alive elsewhere.
+                    others = [q for q in self.reps if q != r and q not in finished | dead] or [
+                        q for q in live_replicas(self.store, self.replicas, self.stages,
+                                                 self.cfg.method.peer_timeout) if q != r]
                     if respawns > 0 and others:
                         respawns -= 1
                         self.incarnation[r] += 1
@@ -136,8 +139,7 @@ class ElasticSupervisor(Supervisor):
         local_rank = self.local.index(replica) * self.stages + stage
         env = dict(self._env(0), RANK=str(rank), LOCAL_RANK=str(local_rank),
                    LOCAL_WORLD_SIZE=str(len(self.local) * self.stages),
-                   NOLOCO_REPLICA=str(replica), NOLOCO_STAGE=str(stage), NOLOCO_ELASTIC="1",
-                   NOLOCO_INCARNATION=str(self.incarnation[replica]))
+                   NOLOCO_REPLICA=str(replica), NOLOCO_STAGE=str(stage), NOLOCO_ELASTIC="1")
         if self.coordinator is not None:
             # Across machines: the coordinator's store, and gloo on the interface the user
             # names (GLOO_SOCKET_IFNAME) or the one the hostname resolves to — not loopback.
@@ -159,7 +161,12 @@ class ElasticSupervisor(Supervisor):
         from noloco.worker import report_key
 
         step = self._step(replica)
-        report = self._read(report_key(self.incarnation[replica], replica))
+        report = None
+        for stage in range(self.stages):  # the worker's own report, if it wrote one
+            hb = self._read(heartbeat_key(replica, stage)) or {}
+            rep = self._read(report_key(hb.get("incarnation", 0), replica * self.stages + stage))
+            if rep and rep.get("line") and report is None:
+                report = rep
         how = (signal.Signals(-code).name if code < 0 else
                (report["line"] if report and report.get("line") else f"exit code {code}"))
         self.failures.append({"replica": replica, "step": step, "kind": how,

@@ -69,8 +69,9 @@ class ElasticTrainer(Trainer):
         self.ckpt = ckpt_mod.Checkpointer(
             self._checkpoint_root(), 0, 1, cfg.math_hash(), cfg.train.checkpoint_every,
             cfg.train.keep_checkpoints)
-        self.served = 0
-        """join requests this replica has served (as a donor)"""
+        self.served = membership.store.add(_join_counter(lay.replica), 0)
+        """join requests this replica has served (as a donor; a respawned one skips those
+        made to its previous life)"""
         self.joins: list[dict[str, Any]] = []
         self.metrics_file = replica_metrics(rundir.path, lay.replica, lay.stage, lay.stages)
 
@@ -158,16 +159,24 @@ class ElasticTrainer(Trainer):
         if self.comm.behind:
             self.heal()
         store = self.membership.store
-        waiting = store.add(_join_counter(self.lay.replica), 0)
+        counter = _join_counter(self.lay.replica)
+        waiting = store.add(counter, 0)
         while self.served < waiting:
             self.served += 1
-            req = json.loads(store.get(f"{_join_counter(self.lay.replica)}/{self.served}"))
+            tag = f"{counter}/{self.served}"
             t0 = time.perf_counter()
             try:
-                nbytes = self._send_state(f"{_join_counter(self.lay.replica)}/{self.served}")
+                # The joiner counts itself in, then names itself: it may die in between.
+                deadline = time.monotonic() + self.cfg.method.peer_timeout
+                while not store.check([tag]):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the request was never completed")
+                    time.sleep(0.01)
+                req = json.loads(store.get(tag))
+                nbytes = self._send_state(tag)
             except RuntimeError as e:  # the joiner died meanwhile: go on
-                print(f"noloco: replica {self.lay.replica}: a state transfer to replica "
-                      f"{req['replica']} failed ({str(e).splitlines()[0][:120]})",
+                print(f"noloco: replica {self.lay.replica}: a state transfer (request "
+                      f"{self.served}) failed ({str(e).splitlines()[0][:120]})",
                       file=sys.stderr, flush=True)
                 continue
             self.joins.append({"kind": "donated", "to": req["replica"], "step": self.state.step,
@@ -194,21 +203,24 @@ class ElasticTrainer(Trainer):
         """DiLoCo's replicas share their slow weights; one the quorum stepped without (it was
         late: stalled, slow) takes a live replica's state, step included — the way torchft
         heals a replica — keeping its own inner optimizer and data position."""
-        self.comm.behind = False
-        if [r for r in self.membership.alive() if r != self.lay.replica]:
+        if self.membership.donors():
             resumed_from = self.resumed_from
-            self.join(own=None, tries=1, kind="healed")
+            if self.join(own=None, tries=1, kind="healed"):
+                self.comm.behind = False  # else: again before the next step
             self.resumed_from = resumed_from
+        else:  # nobody to take a state from: this replica's own is the live one
+            self.comm.behind = False
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
-             kind: str = "joined") -> None:
-        """Take the live state from a live replica (see the module docstring)."""
+             kind: str = "joined") -> bool:
+        """Take the live state from a live replica (see the module docstring): the one
+        furthest along among those that train (never another joining one)."""
         if kind == "joined":
             own = self._own_checkpoint()
         store = self.membership.store
         deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
         while time.monotonic() < deadline and (tries is None or tries > 0):
-            donors = [r for r in self.membership.alive() if r != self.lay.replica]
+            donors = self.membership.donors()
             if not donors:
                 time.sleep(0.2)
                 continue
@@ -240,9 +252,10 @@ class ElasticTrainer(Trainer):
             print(f"noloco: replica {self.lay.replica} {kind} at step {self.state.step} with "
                   f"the state of replica {donor} ({int(size.item()) / 1e6:.1f} MB in "
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
-            return
+            return True
         if kind == "joined":
             raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
+        return False
 
     def _own_checkpoint(self) -> dict[str, Any] | None:
         root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"
@@ -273,7 +286,7 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     m, t = cfg.method, cfg.train
     replica = int(os.environ["NOLOCO_REPLICA"])
     stage = int(os.environ.get("NOLOCO_STAGE", "0"))
-    incarnation = int(os.environ.get("NOLOCO_INCARNATION", "0"))
+
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", m.replicas * m.stages))
     lay = Layout(rank=replica * m.stages + stage, world=m.replicas * m.stages,
                  local_world=local_world, replica=replica, stage=stage, replicas=m.replicas,
@@ -283,6 +296,9 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
                           False, timedelta(seconds=m.comm_timeout))
+    # How many times this worker started before, counted in the store: a respawn, or a
+    # machine's command run again after a crash, joins from the live replicas.
+    incarnation = store.add(f"{PREFIX}/starts/{replica}/{stage}", 1) - 1
     status.store, status.attempt = store, incarnation  # the launcher reads a failure report
     membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation, stage,
                             m.stages).start()
@@ -301,6 +317,8 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
                                  membership)
         if incarnation > 0:
             trainer.join()
+        membership.ready = True  # a donor from now on
+        membership.beat()
         summary = trainer.train()
         ok = True
         return summary

@@ -312,7 +312,9 @@ class OuterSync(Method, ABC):
         dev = self.params[0].device  # a checkpoint is read into CPU memory
         self.inflight = []
         for p, due, payload, received, extra in sd["inflight"]:
-            got = [x.to(dev) for x in received] if isinstance(received, list) else received
+            # (an elastic exchange leaves None for a peer that did not take part)
+            got = ([x if x is None else x.to(dev) for x in received]
+                   if isinstance(received, list) else received)
             self.inflight.append(Sync(p, due, payload.to(dev, copy=True),
                                       Pending(self.comm, [], lambda r=got: r), extra))
 

@@ -99,6 +99,9 @@ class NoLoCo(OuterSync):
     def communicate(self, frag: Fragment, t: int) -> Sync | None:
         """Exchange with this exchange's group: θ (γ = β), θ and φ (γ ≠ β), or quantised Δ
         and φ − φ⁰."""
+        if not frag.params:  # a pipeline stage may hold no block of this fragment
+            self.exchanges += 1  # every replica counts every scheduled exchange, held or not
+            return None
         group = [0]
         if self.comm.size > 1:
             members = self.comm.members()  # None: every replica (a static run)
@@ -108,9 +111,7 @@ class NoLoCo(OuterSync):
                 from noloco.elastic import groups_of
                 groups = groups_of(members, self.exchanges, self.group_size, self.seed)
             group = next((g for g in groups if self.comm.rank in g), [self.comm.rank])
-        self.exchanges += 1  # every replica counts every scheduled exchange, held or not
-        if not frag.params:  # a pipeline stage may hold no block of this fragment
-            return None
+        self.exchanges += 1
         fast, slow = frag.fast(), frag.slow()
         if self.quantize != "none":
             payload = torch.cat([encode(fast - slow, self.quantize),
@@ -120,16 +121,20 @@ class NoLoCo(OuterSync):
         peers = [r for r in group if r != self.comm.rank]
         pending = self.comm.exchange_async(payload, peers,
                                            frag.receive_buffers(payload, len(peers)))
-        return Sync(frag.index, t + self.tau, payload, pending, extra=(group, peers, fast.numel()))
+        return Sync(frag.index, t + self.tau, payload, pending,
+                    extra=(group, peers, fast.numel(), self.comm.rank))
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
         """g = γ·(φ_i − mean_G φ) − β·mean_G Δ, every mean summed in group order so every
         member of G computes the same bits."""
-        group, peers, n = sync.extra
+        group, peers, n = sync.extra[:3]
+        # The rank that sent the payload: a replica that joined while this sync was in flight
+        # carries its donor's sync, sent under the donor's rank (older checkpoints: this one).
+        me = sync.extra[3] if len(sync.extra) > 3 else self.comm.rank
         # An elastic exchange gives None for a member that did not take part: the mean is
         # over the members that did (alone: over this replica only).
         by_rank = {r: m for r, m in zip(peers, received, strict=True) if m is not None}
-        by_rank[self.comm.rank] = sync.payload
+        by_rank[me] = sync.payload
         group = [r for r in group if r in by_rank]
         msgs = [by_rank[r] for r in group]
         self.last_group = group
@@ -137,7 +142,7 @@ class NoLoCo(OuterSync):
             split, ref = quant.wire_bytes(n, self.quantize), self._ref(frag)
             deltas = torch.stack([decode(m[:split], n, self.quantize) for m in msgs])
             slows = torch.stack([ref + decode(m[split:], n, SLOW_FORMAT) for m in msgs])
-            mine = slows[group.index(self.comm.rank)]
+            mine = slows[group.index(me)]
             return self.gamma * (mine - slows.mean(0)) - self.beta * deltas.mean(0)
         mean = torch.stack(msgs).mean(0)
         if not self.exchanges_slow_weights:
