@@ -148,10 +148,17 @@ def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_
 
 
 @pytest.mark.timeout(300)
-def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, shakespeare):
+@pytest.mark.parametrize("streaming", [[], ["--fragments", "2", "--overlap-steps", "1"]],
+                         ids=["whole", "fragments-in-flight"])
+def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, shakespeare,
+                                                                    streaming):
+    """With fragments and overlap the donor's state holds an exchange in flight (fragment 0
+    starts at the join step and lands one step later): the joiner applies it as the donor
+    would have."""
     out = tmp_path / "run"
     r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", "noloco",
-            "--steps", "120", "--out", str(out), "--inject-fault", "kill:2@40", "--respawn", "1")
+            "--steps", "120", "--out", str(out), "--inject-fault", "kill:2@40", "--respawn", "1",
+            *streaming)
     assert r.returncode == 0, r.stderr
     assert "replica 2 joined at step" in r.stderr
     s = summary(out)

@@ -44,7 +44,7 @@ class ModelConfig:
     hf_model: str | None = opt(
         None, "train a Hugging Face causal LM from a local model directory or config.json "
         "instead of a preset (weights loaded when present, else initialised from --seed; "
-        "one stage per replica)")
+        "--stages for Llama-family models)")
 
 
 @dataclass(kw_only=True)
@@ -118,8 +118,8 @@ class MethodConfig:
         "for")
     elastic: bool = opt(
         False, "replicas are fault domains: one that dies or stalls is dropped after "
-        "--peer-timeout and the others train on (noloco, diloco, streaming; one stage; "
-        "docs/elastic.md)")
+        "--peer-timeout and the others train on (noloco, diloco, streaming; stages: noloco "
+        "with --routing fixed; docs/elastic.md)")
     peer_timeout: float = opt(
         10.0, "elastic: seconds a replica waits for a group member before going on without it, "
         "and silence after which a replica is dropped from the membership")
