@@ -285,7 +285,7 @@ def test_math_hash_ignores_only_the_resumable_settings():
         sec, name = key.split(".")
         v = getattr(getattr(b, sec), name)
         setattr(getattr(b, sec), name, (not v) if isinstance(v, bool) else
-                ("x" if isinstance(v, str) else v + 1))
+                ("x" if isinstance(v, str) or v is None else v + 1))
     assert a.math_hash() == b.math_hash()
     b.optim.lr *= 2
     assert a.math_hash() != b.math_hash()

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,55 @@ def test_two_machines_one_replica_killed_the_others_finish(tmp_path, shakespeare
     assert all(v > 0 for v in s1["bytes_sent_per_replica"].values())
     assert any(e["missing"] == [3] for ev in {**s0["events"], **s1["events"]}.values()
                for e in ev)
+
+
+@pytest.mark.timeout(300)
+def test_a_machine_that_crashes_and_comes_back_joins_the_run(tmp_path, shakespeare):
+    """Machine 1 (replicas 2, 3) dies whole — its launcher and workers killed — and its
+    command is run again: the store counts the workers' starts, so its replicas join from
+    machine 0's live ones instead of starting over."""
+    import signal
+
+    port = 29472
+    with netns.Namespaces([None, None], prefix="nlce", subnet="10.79.1.0/24") as ns:
+        host = ns.workers[0].addr
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")
+        coord = ns.popen(0, [sys.executable, "-m", "noloco", "coordinator", "--host", host,
+                             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
+        assert "listening on" in coord.stdout.readline()
+
+        def machine(index: int, ids: str, out: str) -> subprocess.Popen:
+            argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare),
+                    *SMALL, "--method", "noloco", "--replicas", "4", "--steps", "160",
+                    "--sync-every", "10", "--eval-every", "20", "--elastic",
+                    "--peer-timeout", "3", "--coordinator", f"{host}:{port}",
+                    "--replica-ids", ids, "--out", str(tmp_path / out)]
+            return ns.popen(index, argv, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+        m0 = machine(0, "0-1", "m0")
+        m1 = machine(1, "2-3", "m1")
+        metrics = tmp_path / "m1" / "metrics" / "replica-2.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and m1.poll() is None
+            time.sleep(0.2)
+        os.killpg(m1.pid, signal.SIGKILL)  # the whole machine: launcher and workers
+        m1.wait()
+        time.sleep(1)
+        m1 = machine(1, "2-3", "m1-again")
+        out1, err1 = m1.communicate(timeout=200)
+        out0, err0 = m0.communicate(timeout=200)
+        coord.terminate()
+        coord.wait(timeout=10)
+    assert m0.returncode == 0, err0
+    assert m1.returncode == 0, err1
+    assert "replica 2 joined at step" in err1 and "replica 3 joined at step" in err1
+    s0 = json.loads((tmp_path / "m0" / "summary.json").read_text())
+    s1 = json.loads((tmp_path / "m1-again" / "summary.json").read_text())
+    assert s0["replicas_finished"] == [0, 1] and s1["replicas_finished"] == [2, 3]
+    joined = [j for j in s1["joins"] if j.get("kind") == "joined"]
+    assert {j["from"] for j in joined} <= {0, 1} and all(j["step"] >= 40 for j in joined)
 
 
 def test_coordinator_and_replica_ids_need_elastic(tmp_path, shakespeare):
