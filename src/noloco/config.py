@@ -349,8 +349,6 @@ class Config:
                 raise ConfigError("--elastic with --stages > 1 supports --method noloco only "
                                   "(a DiLoCo replica that heals would have to move all its "
                                   "stages at one step)")
-            if m.stages > 1 and t.respawn:
-                raise ConfigError("--respawn with --stages > 1 is not supported yet")
             if m.quantize != "none" and m.method != "noloco":
                 raise ConfigError("--elastic with a quantised all-reduce is not supported "
                                   "(use --quantize none, or noloco)")

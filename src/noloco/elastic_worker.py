@@ -70,6 +70,7 @@ class ElasticTrainer(Trainer):
             self._checkpoint_root(), 0, 1, cfg.math_hash(), cfg.train.checkpoint_every,
             cfg.train.keep_checkpoints)
         self.served = membership.store.add(_join_counter(lay.replica), 0)
+        self.next_serve = self.served
         """join requests this replica has served (as a donor; a respawned one skips those
         made to its previous life)"""
         self.joins: list[dict[str, Any]] = []
@@ -158,6 +159,9 @@ class ElasticTrainer(Trainer):
     def between_steps(self) -> None:
         if self.comm.behind:
             self.heal()
+        if self.lay.stages > 1:
+            self._serve_staged()
+            return
         store = self.membership.store
         counter = _join_counter(self.lay.replica)
         waiting = store.add(counter, 0)
@@ -182,6 +186,54 @@ class ElasticTrainer(Trainer):
             self.joins.append({"kind": "donated", "to": req["replica"], "step": self.state.step,
                                "bytes": nbytes, "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum()})
+
+    def _serve_staged(self) -> None:
+        """Donor side with pipeline stages: every stage of the joiner takes its state from the
+        same stage of this replica, all at one step. Stage 0 takes the requests and fixes
+        the step: the next one. No other stage can have passed it yet — a stage finishes a
+        step only with stage 0's activations of that step — so every stage of this replica
+        serves at exactly that step."""
+        store, lay = self.membership.store, self.lay
+        counter = _join_counter(lay.replica)
+        if lay.stage == 0:
+            waiting = store.add(counter, 0)
+            while self.served < waiting:
+                self.served += 1
+                if self._request(f"{counter}/{self.served}") is not None:
+                    store.set(f"{counter}/serve/{self.served}",
+                              json.dumps({"step": self.state.step + 1}))
+        while True:
+            key = f"{counter}/serve/{self.next_serve + 1}"
+            if not store.check([key]):
+                return
+            at = json.loads(store.get(key))["step"]
+            if at > self.state.step:
+                return
+            self.next_serve += 1
+            n = self.next_serve
+            if at < self.state.step:  # cannot happen (see above); never serve a wrong step
+                continue
+            t0 = time.perf_counter()
+            try:
+                nbytes = self._send_state(f"{counter}/{n}/s{lay.stage}")
+            except RuntimeError as e:
+                print(f"noloco: replica {lay.replica} stage {lay.stage}: a state transfer "
+                      f"failed ({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+                continue
+            self.joins.append({"kind": "donated", "request": n, "stage": lay.stage,
+                               "step": self.state.step, "bytes": nbytes,
+                               "seconds": time.perf_counter() - t0, "checksum": self.checksum()})
+
+    def _request(self, tag: str) -> dict[str, Any] | None:
+        """A join request once the joiner has named itself (it counts itself in first, and
+        may die in between): None if it never does within the timeout."""
+        store = self.membership.store
+        deadline = time.monotonic() + self.cfg.method.peer_timeout
+        while not store.check([tag]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        return json.loads(store.get(tag))
 
     def checksum(self) -> int:
         """Of the model and the slow weights (the transfer is checked bit for bit with it)."""
@@ -217,6 +269,8 @@ class ElasticTrainer(Trainer):
         furthest along among those that train (never another joining one)."""
         if kind == "joined":
             own = self._own_checkpoint()
+        if self.lay.stages > 1:
+            return self._join_staged(own)
         store = self.membership.store
         deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
         while time.monotonic() < deadline and (tries is None or tries > 0):
@@ -232,33 +286,71 @@ class ElasticTrainer(Trainer):
             store.set(tag, json.dumps({"replica": self.lay.replica}))
             t0 = time.perf_counter()
             try:
-                pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", store), 1, 2,
-                                           timedelta(seconds=self.cfg.method.peer_timeout * 3))
-                size = torch.zeros(1, dtype=torch.int64)
-                pg.recv([size], 0, 0).wait()
-                blob = torch.empty(int(size.item()), dtype=torch.uint8)
-                pg.recv([blob], 0, 1).wait()
+                state, nbytes = self._receive_state(tag)
             except RuntimeError:  # the donor died or is stuck: ask another
                 continue
-            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False)
             before = self.state.step
             self._adopt(state, own)
             self.joins.append({"kind": kind, "from": donor, "step": self.state.step,
-                               "step_before": before,
-                               "bytes": int(size.item()) + 8,
+                               "step_before": before, "bytes": nbytes,
                                "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum(),
                                "own_checkpoint_step": own.get("step") if own else None})
             print(f"noloco: replica {self.lay.replica} {kind} at step {self.state.step} with "
-                  f"the state of replica {donor} ({int(size.item()) / 1e6:.1f} MB in "
+                  f"the state of replica {donor} ({nbytes / 1e6:.1f} MB in "
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
             return True
         if kind == "joined":
             raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
         return False
 
+    def _join_staged(self, own: dict[str, Any] | None) -> bool:
+        """Joiner side with pipeline stages: stage 0 picks the donor and asks it; every stage
+        takes its state from the donor's same stage (:meth:`_serve_staged`)."""
+        store, lay, m = self.membership.store, self.lay, self.membership
+        choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}"
+        deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        if lay.stage == 0:
+            while not (donors := m.donors()):
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"replica {lay.replica} found no live replica to join")
+                time.sleep(0.2)
+            donor = donors[0]
+            n = store.add(_join_counter(donor), 1)
+            store.set(f"{_join_counter(donor)}/{n}", json.dumps({"replica": lay.replica}))
+            store.set(choice, json.dumps({"donor": donor, "n": n}))
+        while not store.check([choice]):
+            if time.monotonic() > deadline:
+                raise ConfigError(f"replica {lay.replica} found no live replica to join")
+            time.sleep(0.05)
+        c = json.loads(store.get(choice))
+        tag = f"{_join_counter(c['donor'])}/{c['n']}/s{lay.stage}"
+        t0 = time.perf_counter()
+        state, nbytes = self._receive_state(tag)
+        self._adopt(state, own)
+        self.joins.append({"kind": "joined", "from": c["donor"], "stage": lay.stage,
+                           "step": self.state.step, "bytes": nbytes,
+                           "seconds": time.perf_counter() - t0, "checksum": self.checksum(),
+                           "own_checkpoint_step": own.get("step") if own else None})
+        if lay.stage == 0:
+            print(f"noloco: replica {lay.replica} joined at step {self.state.step} with the "
+                  f"state of replica {c['donor']}", file=sys.stderr, flush=True)
+        return True
+
+    def _receive_state(self, tag: str) -> tuple[dict[str, Any], int]:
+        """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 1, 2,
+                                   timedelta(seconds=self.cfg.method.peer_timeout * 3))
+        size = torch.zeros(1, dtype=torch.int64)
+        pg.recv([size], 0, 0).wait()
+        blob = torch.empty(int(size.item()), dtype=torch.uint8)
+        pg.recv([blob], 0, 1).wait()
+        # Tensors and plain containers only: no pickled code runs (as with checkpoints).
+        state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        return state, blob.numel() + 8
+
     def _own_checkpoint(self) -> dict[str, Any] | None:
-        root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"
+        root = self._checkpoint_root()
         if not root.is_dir():
             return None
         step, sd = ckpt_mod.agree_on_step(root, 0, self.cfg.math_hash(), lambda x: [x])
