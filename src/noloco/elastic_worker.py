@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from noloco import checkpoint as ckpt_mod
-from noloco.comm import Communicator, NullCommunicator, flatten
+from noloco.comm import CommError, Communicator, NullCommunicator, flatten
 from noloco.config import Config, ConfigError
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic import PREFIX, ElasticCommunicator, Membership
@@ -326,7 +326,12 @@ class ElasticTrainer(Trainer):
         c = json.loads(store.get(choice))
         tag = f"{_join_counter(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
-        state, nbytes = self._receive_state(tag)
+        try:
+            state, nbytes = self._receive_state(tag)
+        except RuntimeError as e:  # the donor died or finished first: this start fails
+            raise CommError(f"replica {lay.replica} stage {lay.stage} could not take its state "
+                            f"from replica {c['donor']} ({str(e).splitlines()[0][:120]})"
+                            ) from None
         self._adopt(state, own)
         self.joins.append({"kind": "joined", "from": c["donor"], "stage": lay.stage,
                            "step": self.state.step, "bytes": nbytes,
