@@ -320,3 +320,15 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
         assert donated[st]["checksum"] == joined[st]["checksum"]
     assert max(k["longest_wait_seconds"].values()) < TIMEOUT + 1.5
     assert all(math.isfinite(v) for v in k["final_val_loss_per_replica"].values())
+
+
+def test_a_store_that_goes_away_is_one_line_not_a_traceback():
+    import torch.distributed as dist
+
+    from noloco.worker import WorkerStatus, classify
+
+    code, kind, line, culprit = classify(dist.DistStoreError("wait timeout after 30000ms, "
+                                                             "keys: /x\nmore"), WorkerStatus())
+    assert (code, kind, culprit) == (1, "comm", None)
+    assert line == "noloco: error: the run's store is unreachable (wait timeout after 30000ms, " \
+                   "keys: /x)"

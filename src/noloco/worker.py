@@ -192,6 +192,11 @@ def classify(e: BaseException, status: WorkerStatus) -> tuple[int, str, str, int
             f"noloco train --resume {status.out}"), None
     if isinstance(e, CommError):
         return 1, "comm", f"noloco: error: {e}", e.culprit
+    if isinstance(e, (torch.distributed.DistStoreError, torch.distributed.DistNetworkError)):
+        # The run's store (the launcher's, torchrun's or the elastic coordinator's) went away
+        # or stopped answering: every worker that touches it ends here, none is to blame.
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        return 1, "comm", f"noloco: error: the run's store is unreachable ({first})", None
     if isinstance(e, OSError):
         kind = "disk" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io"
         newest = ckpt_mod.complete_steps(Path(status.out) / "checkpoints", status.lay.world)
