@@ -19,15 +19,23 @@ OK, WHY = netns.available()
 pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
 
 
+def start_coordinator(ns: netns.Namespaces, port: int
+                      ) -> tuple[str, dict[str, str], subprocess.Popen]:
+    """`noloco coordinator` on "machine" 0: (its address, the environment every machine's
+    commands need, the process)."""
+    host = ns.workers[0].addr
+    env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")
+    coord = ns.popen(0, [sys.executable, "-m", "noloco", "coordinator", "--host", host,
+                         "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
+    assert "listening on" in coord.stdout.readline()
+    return host, env, coord
+
+
 @pytest.mark.timeout(300)
 def test_two_machines_one_replica_killed_the_others_finish(tmp_path, shakespeare):
     port = 29471
     with netns.Namespaces([None, None], prefix="nlce", subnet="10.79.0.0/24") as ns:
-        host = ns.workers[0].addr
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")
-        coord = ns.popen(0, [sys.executable, "-m", "noloco", "coordinator", "--host", host,
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
-        assert "listening on" in coord.stdout.readline()
+        host, env, coord = start_coordinator(ns, port)
         procs = []
         for machine, ids in ((0, "0-1"), (1, "2-3")):
             argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
@@ -63,11 +71,7 @@ def test_a_machine_that_crashes_and_comes_back_joins_the_run(tmp_path, shakespea
 
     port = 29472
     with netns.Namespaces([None, None], prefix="nlce", subnet="10.79.1.0/24") as ns:
-        host = ns.workers[0].addr
-        env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")
-        coord = ns.popen(0, [sys.executable, "-m", "noloco", "coordinator", "--host", host,
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
-        assert "listening on" in coord.stdout.readline()
+        host, env, coord = start_coordinator(ns, port)
 
         def machine(index: int, ids: str, out: str) -> subprocess.Popen:
             argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare),

@@ -340,28 +340,14 @@ class TorchCommunicator(Communicator):
         n, size, group = tensor.numel(), self.size, self.group
         if size == 1:
             return Pending(self, [])
-        chunk = quantized_chunk_numel(n, size, block_size)
-        padded = tensor.new_zeros(chunk * size)
-        padded[:n] = tensor
-        msgs = [quant.to_bytes(quant.quantize(c, fmt, block_size)) for c in padded.split(chunk)]
-        send, m = torch.cat(msgs), msgs[0].numel()
+        send = quantized_messages(tensor, size, fmt, block_size)
         self.bytes_sent += quantized_all_reduce_bytes(n, size, fmt, block_size)
 
-        def decode(buf: torch.Tensor) -> torch.Tensor:
-            return quant.dequantize(quant.from_bytes(buf, chunk, fmt, block_size))
-
         def phases() -> torch.Tensor:
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=group)
-            parts = [decode(b) for b in recv.split(m)]
-            reduced = parts[0]
-            for part in parts[1:]:  # fp32, in rank order
-                reduced += part
-            reduced /= size
-            out = quant.to_bytes(quant.quantize(reduced, fmt, block_size))
-            gathered = [torch.empty_like(out) for _ in range(size)]
-            dist.all_gather(gathered, out, group=group)
-            return torch.cat([decode(b) for b in gathered])
+            return quantized_mean(
+                send, n, size, fmt, block_size,
+                lambda recv, sent: dist.all_to_all_single(recv, sent, group=group),
+                lambda out, x: dist.all_gather(out, x, group=group))
 
         if self._helper is None:
             self._helper = _HelperThread(f"noloco-comm-{id(self):x}")
@@ -369,7 +355,7 @@ class TorchCommunicator(Communicator):
         _HELPER_JOBS.append(fut)
 
         def finish() -> None:
-            tensor.copy_(fut.result()[:n])
+            tensor.copy_(fut.result())
 
         return Pending(self, [_FutureWork(fut)], finish, "all_reduce_quantized", self.ranks)
 
@@ -402,6 +388,43 @@ def quantized_chunk_numel(numel: int, size: int, block_size: int = quant.DEFAULT
     number of blocks (at least one block)."""
     per_rank = max(-(-numel // size), 1)
     return -(-per_rank // block_size) * block_size
+
+
+def quantized_messages(tensor: torch.Tensor, size: int, fmt: str,
+                       block_size: int = quant.DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """Phase 1's send buffer of the quantised all-reduce (class docstring of
+    :class:`TorchCommunicator`): the tensor zero-padded to ``size`` chunks, each encoded."""
+    n = tensor.numel()
+    chunk = quantized_chunk_numel(n, size, block_size)
+    padded = tensor.new_zeros(chunk * size)
+    padded[:n] = tensor
+    return torch.cat([quant.to_bytes(quant.quantize(c, fmt, block_size))
+                      for c in padded.split(chunk)])
+
+
+def quantized_mean(send: torch.Tensor, n: int, size: int, fmt: str, block_size: int,
+                   all_to_all: Callable[[torch.Tensor, torch.Tensor], Any],
+                   all_gather: Callable[[list[torch.Tensor], torch.Tensor], Any]
+                   ) -> torch.Tensor:
+    """The two phases of the quantised all-reduce over whatever group ``all_to_all`` and
+    ``all_gather`` (blocking) talk to: the mean of the ``n`` values, identical on every rank."""
+    chunk = quantized_chunk_numel(n, size, block_size)
+    m = send.numel() // size
+
+    def decode(buf: torch.Tensor) -> torch.Tensor:
+        return quant.dequantize(quant.from_bytes(buf, chunk, fmt, block_size))
+
+    recv = torch.empty_like(send)
+    all_to_all(recv, send)
+    parts = [decode(b) for b in recv.split(m)]
+    reduced = parts[0]
+    for part in parts[1:]:  # fp32, in rank order
+        reduced += part
+    reduced /= size
+    out = quant.to_bytes(quant.quantize(reduced, fmt, block_size))
+    gathered = [torch.empty_like(out) for _ in range(size)]
+    all_gather(gathered, out)
+    return torch.cat([decode(b) for b in gathered])[:n]
 
 
 def quantized_all_reduce_bytes(numel: int, size: int, fmt: str,

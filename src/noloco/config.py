@@ -349,9 +349,6 @@ class Config:
                 raise ConfigError("--elastic with --stages > 1 supports --method noloco only "
                                   "(a DiLoCo replica that heals would have to move all its "
                                   "stages at one step)")
-            if m.quantize != "none" and m.method != "noloco":
-                raise ConfigError("--elastic with a quantised all-reduce is not supported "
-                                  "(use --quantize none, or noloco)")
             if t.max_restarts:
                 raise ConfigError("--elastic replaces --max-restarts (the other replicas go on; "
                                   "use --respawn to restart the dead one)")

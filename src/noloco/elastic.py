@@ -43,14 +43,23 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from noloco.comm import Communicator, Pending, ring_all_reduce_bytes
+from noloco import quant
+from noloco.comm import (
+    Communicator,
+    Pending,
+    _check_quantizable,
+    quantized_all_reduce_bytes,
+    quantized_mean,
+    quantized_messages,
+    ring_all_reduce_bytes,
+)
 
 PREFIX = "noloco/elastic"
 
@@ -61,6 +70,11 @@ def heartbeat_key(replica: int, stage: int = 0) -> str:
 
 def done_key(replica: int, stage: int = 0) -> str:
     return f"{PREFIX}/done/{replica}/{stage}"
+
+
+def join_key(donor: int) -> str:
+    """The counter of join requests made to ``donor`` (each request under ``KEY/N``)."""
+    return f"{PREFIX}/join/{donor}"
 
 
 class Membership:
@@ -75,6 +89,8 @@ class Membership:
         self.peer_timeout, self.incarnation = peer_timeout, incarnation
         self.interval = min(1.0, peer_timeout / 5)
         self.step = 0
+        self.join_requests = 0
+        """join requests made to this replica so far, as of the last heartbeat"""
         self.ready = False
         """training (a joining replica is not, until it has its state)"""
         self._stop = threading.Event()
@@ -96,6 +112,9 @@ class Membership:
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
+                # Read here, off the training loop: a store round trip per inner step would
+                # cost a network latency per step across machines.
+                self.join_requests = int(self.store.add(join_key(self.replica), 0))
             except Exception:  # noqa: BLE001 - the store may be gone with the run
                 return
 
@@ -281,10 +300,42 @@ class ElasticCommunicator(Communicator):
         """The mean over the snapshot's replicas that arrive; a member lost during the
         all-reduce discards it and the survivors retry among themselves. Done before
         returning (no overlap)."""
+
+        def mean(pg: Any, k: int) -> int:
+            pg.allreduce([tensor]).wait()
+            tensor.div_(k)
+            return ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), k)
+
+        return self._quorum(tensor, "all_reduce", mean)
+
+    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
+                                        block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
+        """The quantised all-reduce of :class:`noloco.comm.TorchCommunicator` (the same two
+        phases, so the same bits) among the replicas that arrive, as
+        :meth:`all_reduce_mean_async` runs the plain one."""
+        if fmt == "none":
+            return self.all_reduce_mean_async(tensor)
+        _check_quantizable(tensor, fmt, block_size)
+        n = tensor.numel()
+
+        def mean(pg: Any, k: int) -> int:
+            send = quantized_messages(tensor, k, fmt, block_size)
+            tensor.copy_(quantized_mean(
+                send, n, k, fmt, block_size,
+                lambda recv, sent: pg.alltoall_base(recv, sent, [], []).wait(),
+                lambda out, x: pg.allgather([out], [x]).wait()))
+            return quantized_all_reduce_bytes(n, k, fmt, block_size)
+
+        return self._quorum(tensor, "all_reduce_quantized", mean)
+
+    def _quorum(self, tensor: torch.Tensor, op: str, mean: Callable[[Any, int], int]
+                ) -> Pending:
+        """``mean(process group, members)`` (which leaves the mean in ``tensor`` and returns
+        the bytes sent) among the snapshot's replicas that arrive."""
         call = self.calls
         candidates = self.members()
         self.calls += 1
-        self.ops["all_reduce"] += 1
+        self.ops[op] += 1
         if self.rank not in candidates:  # dropped while silent: this step alone
             self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
             self.behind = len(candidates) > 0
@@ -292,12 +343,12 @@ class ElasticCommunicator(Communicator):
         original = tensor.clone()
         start = time.perf_counter()
         try:
-            return self._all_reduce(call, tensor, original, candidates)
+            return self._all_reduce(call, tensor, original, candidates, mean)
         finally:
             self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
 
     def _all_reduce(self, call: int, tensor: torch.Tensor, original: torch.Tensor,
-                    candidates: list[int]) -> Pending:
+                    candidates: list[int], mean: Callable[[Any, int], int]) -> Pending:
         for attempt in range(len(candidates) + 1):
             final, tag = self._agree(call, candidates, attempt)
             if self.rank not in final or len(final) == 1:
@@ -308,7 +359,7 @@ class ElasticCommunicator(Communicator):
                 return _Done(self, None)
             t0 = time.perf_counter()
             try:
-                self._group(tag, final).allreduce([tensor]).wait()
+                nbytes = mean(self._group(tag, final), len(final))
             except RuntimeError as e:  # a member died or stalled: discard, retry
                 self.retries += 1
                 self.events.append({"call": call, "step": self.m.step, "kind": "lost",
@@ -330,19 +381,17 @@ class ElasticCommunicator(Communicator):
                 continue
             self.store.set(f"{tag}/ok/{self.rank}", "1")
             self.sync_seconds += time.perf_counter() - t0
-            self.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(),
-                                                     len(final))
-            tensor.div_(len(final))
+            self.bytes_sent += nbytes
             return _Done(self, None)
         tensor.copy_(original)
         return _Done(self, None)
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
-        raise NotImplementedError("an elastic run has no all-gather over all replicas")
+        # Not an operation of any elastic path: the methods exchange or all-reduce, and the
+        # run's metrics are per replica (combined at the end, never gathered in training).
+        raise TypeError("an elastic run gathers nothing over all replicas: every replica "
+                        "writes its own metrics")
 
-    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
-                                        block_size: int = 0) -> Pending:
-        raise NotImplementedError("an elastic run has no quantised all-reduce")
 
 
 class _Done(Pending):

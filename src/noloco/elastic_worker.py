@@ -37,7 +37,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError, Communicator, NullCommunicator, flatten
 from noloco.config import Config, ConfigError
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
-from noloco.elastic import PREFIX, ElasticCommunicator, Membership
+from noloco.elastic import PREFIX, ElasticCommunicator, Membership, join_key
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.train import AVERAGED_METHODS, Trainer, weights_checksum
@@ -55,10 +55,6 @@ def replica_summary(out: Path, replica: int, stage: int = 0, stages: int = 1) ->
     return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.json"
 
 
-def _join_counter(donor: int) -> str:
-    return f"{PREFIX}/join/{donor}"
-
-
 class ElasticTrainer(Trainer):
     def __init__(self, cfg: Config, lay: Layout, device: torch.device, threads: int,
                  rundir: RunDir, ctx: DistContext, status: Any, membership: Membership,
@@ -69,7 +65,7 @@ class ElasticTrainer(Trainer):
         self.ckpt = ckpt_mod.Checkpointer(
             self._checkpoint_root(), 0, 1, cfg.math_hash(), cfg.train.checkpoint_every,
             cfg.train.keep_checkpoints)
-        self.served = membership.store.add(_join_counter(lay.replica), 0)
+        self.served = membership.store.add(join_key(lay.replica), 0)
         self.next_serve = self.served
         """join requests this replica has served (as a donor; a respawned one skips those
         made to its previous life)"""
@@ -163,9 +159,8 @@ class ElasticTrainer(Trainer):
             self._serve_staged()
             return
         store = self.membership.store
-        counter = _join_counter(self.lay.replica)
-        waiting = store.add(counter, 0)
-        while self.served < waiting:
+        counter = join_key(self.lay.replica)
+        while self.served < self.membership.join_requests:
             self.served += 1
             tag = f"{counter}/{self.served}"
             t0 = time.perf_counter()
@@ -194,10 +189,11 @@ class ElasticTrainer(Trainer):
         step only with stage 0's activations of that step — so every stage of this replica
         serves at exactly that step."""
         store, lay = self.membership.store, self.lay
-        counter = _join_counter(lay.replica)
+        counter = join_key(lay.replica)
+        if self.next_serve >= self.membership.join_requests:
+            return  # nothing asked (the common case: no store round trip)
         if lay.stage == 0:
-            waiting = store.add(counter, 0)
-            while self.served < waiting:
+            while self.served < self.membership.join_requests:
                 self.served += 1
                 if self._request(f"{counter}/{self.served}") is not None:
                     store.set(f"{counter}/serve/{self.served}",
@@ -281,8 +277,8 @@ class ElasticTrainer(Trainer):
             if tries is not None:
                 tries -= 1
             donor = donors[0]
-            n = store.add(_join_counter(donor), 1)
-            tag = f"{_join_counter(donor)}/{n}"
+            n = store.add(join_key(donor), 1)
+            tag = f"{join_key(donor)}/{n}"
             store.set(tag, json.dumps({"replica": self.lay.replica}))
             t0 = time.perf_counter()
             try:
@@ -316,15 +312,15 @@ class ElasticTrainer(Trainer):
                     raise ConfigError(f"replica {lay.replica} found no live replica to join")
                 time.sleep(0.2)
             donor = donors[0]
-            n = store.add(_join_counter(donor), 1)
-            store.set(f"{_join_counter(donor)}/{n}", json.dumps({"replica": lay.replica}))
+            n = store.add(join_key(donor), 1)
+            store.set(f"{join_key(donor)}/{n}", json.dumps({"replica": lay.replica}))
             store.set(choice, json.dumps({"donor": donor, "n": n}))
         while not store.check([choice]):
             if time.monotonic() > deadline:
                 raise ConfigError(f"replica {lay.replica} found no live replica to join")
             time.sleep(0.05)
         c = json.loads(store.get(choice))
-        tag = f"{_join_counter(c['donor'])}/{c['n']}/s{lay.stage}"
+        tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:
             state, nbytes = self._receive_state(tag)
