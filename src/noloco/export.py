@@ -63,8 +63,14 @@ def hf_state_dict(state: dict[str, torch.Tensor], n_heads: int) -> dict[str, tor
     return out
 
 
+HF_EXTRA = "export needs the 'hf' extra: pip install 'noloco[hf]'"
+
+
 def llama_config(args: dict[str, Any], eos_id: int) -> Any:
-    from transformers import LlamaConfig
+    try:
+        from transformers import LlamaConfig
+    except ImportError:
+        raise ConfigError(HF_EXTRA) from None
 
     return LlamaConfig(
         vocab_size=args["vocab_size"], hidden_size=args["dim"],
@@ -78,8 +84,11 @@ def llama_config(args: dict[str, Any], eos_id: int) -> Any:
 
 def byte_tokenizer() -> Any:
     """noloco's byte tokenizer as a Hugging Face fast tokenizer (ids = byte values)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        raise ConfigError(HF_EXTRA) from None
 
     stand_in = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins
     # GPT-2's byte → stand-in table: printable bytes map to themselves, the rest upwards.
@@ -113,10 +122,10 @@ def export(run_dir: str | Path, out_dir: str | Path, which: str | None = None,
         raise ConfigError(f"{run} has no trained model (model/model.json is missing)")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{out} exists and is not empty (pass --overwrite to replace it)")
-    try:
+    try:  # before anything is written
         import transformers  # noqa: F401
     except ImportError:
-        raise ConfigError("export needs the 'hf' extra: pip install 'noloco[hf]'") from None
+        raise ConfigError(HF_EXTRA) from None
     index = json.loads(index_path.read_text())
     try:
         model = load_model(run, which)
@@ -135,7 +144,10 @@ def export(run_dir: str | Path, out_dir: str | Path, which: str | None = None,
     if tok_spec == "bytes":
         byte_tokenizer().save_pretrained(out)
     else:
-        from transformers import PreTrainedTokenizerFast
+        try:
+            from transformers import PreTrainedTokenizerFast
+        except ImportError:
+            raise ConfigError(HF_EXTRA) from None
 
         src = Path(tok_spec)
         src = src / "tokenizer.json" if src.is_dir() else src

@@ -52,13 +52,21 @@ def table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+class MissingExtra(Exception):
+    """An optional part of the report that needs an extra; the table is written without it."""
+
+
+PLOT_EXTRA = "plots need the 'plot' extra: pip install 'noloco[plot]'"
+
+
 def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
+    """The plots as PNG files in ``out``; :class:`MissingExtra` without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
+        raise MissingExtra(PLOT_EXTRA) from None
     written = []
     axes_spec = (("tokens_per_replica", "tokens per replica", "val_loss", "val_loss_tokens"),
                  ("bytes_sent", "bytes sent per replica", "val_loss", "val_loss_bytes"),
@@ -93,10 +101,13 @@ def report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]]:
             r["name"] = f"{r['name']} ({i + 1})"
     o = Path(out)
     o.mkdir(parents=True, exist_ok=True)
-    pngs = plots(runs, o)
+    try:
+        pngs = plots(runs, o)
+    except MissingExtra:
+        pngs = []
     md = ["# Runs compared", "", table(runs), ""]
     md += [f"![{p.stem}]({p.name})" for p in pngs] or [
-        "(no plots: matplotlib is not installed — pip install 'noloco[plot]')"]
+        f"(no {PLOT_EXTRA})"]
     md += ["", "Runs: " + ", ".join(f"`{r['path']}`" for r in runs), ""]
     path = o / "report.md"
     path.write_text("\n".join(md))
@@ -114,6 +125,5 @@ def add_subparser(sub: Any) -> None:
 def _main(ns: Any) -> int:
     path, pngs = report(ns.runs, ns.out)
     print(path.read_text().split("\n\n")[1])
-    print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else
-                             " (no plots: matplotlib is not installed)"))
+    print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else f" (no {PLOT_EXTRA})"))
     return 0

@@ -140,7 +140,7 @@ def plot_latency(points: list[LatencyPoint], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("All-reduce versus NoLoCo pair exchange (log-normal message times)")
-    _save(fig, path)
+    _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def plot_blocking(results: list[BlockingResult], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("Straggler waiting: global barrier versus pairwise")
-    _save(fig, path)
+    _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def plot_churn(results: list[Any], path: str) -> None:
     ax.legend()
     r0 = rs[0]
     ax.set_title(f"Churn: {r0.workers} replicas, H={r0.sync_every}, timeout {r0.timeout:g}")
-    _save(fig, path)
+    _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def plot_utilisation(curves: list[UtilisationCurve], path: str) -> None:
         ax.set_title(name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _save(fig, path)
+    _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +443,7 @@ def plot_predict(ns: argparse.Namespace, pred: Prediction, path: str) -> None:
     ax.set_title(f"latency {pred.latency_s * 1e3:g} ms, N={pred.methods[0].replicas}")
     ax.grid(alpha=0.3)
     ax.legend()
-    _save(fig, path)
+    _save(plt, fig, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,15 +462,13 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(fig: Any, path: str) -> None:
+def _save(plt: Any, fig: Any, path: str) -> None:
     try:
         fig.tight_layout()
         fig.savefig(path, dpi=120)
     except OSError as e:
         raise NetsimError(f"cannot write {path}: {e}") from None
     finally:
-        import matplotlib.pyplot as plt
-
         plt.close(fig)
 
 
