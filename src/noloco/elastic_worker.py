@@ -234,7 +234,10 @@ class ElasticTrainer(Trainer):
     def checksum(self) -> int:
         """Of the model and the slow weights (the transfer is checked bit for bit with it)."""
         phi = getattr(self.method, "slow", None)
-        return weights_checksum(self.params + (list(phi) if phi is not None else []))
+        flat: list[torch.Tensor] = []
+        for t in phi if phi is not None else []:  # per parameter, or per fragment (Streaming)
+            flat.extend(t if isinstance(t, list | tuple) else [t])
+        return weights_checksum(self.params + flat)
 
     def _send_state(self, tag: str) -> int:
         buf = io.BytesIO()
