@@ -151,3 +151,21 @@ def test_frontier_judge_reads_the_targets() -> None:
     assert t["both_below_single_at_h_le_20"] and t["noloco_within_10pct_of_ddp_at"] == [5]
     sweep["single"] = cfg(2.11, 0.05)  # within the seed spread: not "below"
     assert not frontier.judge(sweep)["both_below_single_at_h_le_20"]
+
+
+@pytest.mark.timeout(200)
+def test_startup_and_generate_quick_write_records(tmp_path: Path) -> None:
+    for script in ("startup.py", "generate.py"):
+        proc = subprocess.run([sys.executable, str(BENCH / script), "--quick",
+                               "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    st = json.loads((tmp_path / "startup_quick.json").read_text())["results"]
+    runs = st["runs"]["bytes"]
+    # with the token file nobody but the launcher tokenises; without it every worker does
+    assert runs["file"]["2"]["workers_tokenized"] == 0 and runs["file"]["2"]["token_cache"]
+    assert runs["every-worker"]["2"]["workers_tokenized"] == 2
+    assert runs["file"]["2"]["corpus_private_bytes_sum"] == 0
+    assert runs["every-worker"]["2"]["corpus_private_bytes_sum"] > 0
+    gen = json.loads((tmp_path / "generate_quick.json").read_text())["results"]
+    assert gen["same_tokens"] and gen["tokens_per_second"]["cached"] > 0

@@ -62,3 +62,21 @@ def test_large_presets_build_on_meta_device():
         assert lo < n < hi, (name, n)
         assert next(model.parameters()).is_meta
     assert set(PRESETS) == {"tiny", "small", "medium", "large"}
+
+
+def test_kv_cache_gives_the_logits_of_the_whole_sequence():
+    from noloco.model import KVCache
+
+    m = build(ModelArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=50), seed=3).eval()
+    tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = m(tokens)
+        cache = KVCache()
+        # a prompt of 5, then a chunk of 3 (masked within itself), then one token at a time
+        parts = [m(tokens[:, :5], cache), m(tokens[:, 5:8], cache)]
+        parts += [m(tokens[:, i:i + 1], cache) for i in range(8, 12)]
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    # and the cache is not a no-op: a token fed without its history gives other logits
+    with torch.no_grad():
+        assert not torch.allclose(m(tokens[:, 11:12])[:, -1], full[:, -1], atol=1e-3)

@@ -168,3 +168,54 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, capsy
     assert main(["export", str(runs["single"]), str(out)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err
     assert (out / "model.safetensors").stat().st_mtime_ns == before
+
+
+@pytest.mark.timeout(120)
+def test_generate_with_the_kv_cache_samples_the_same_tokens(runs, monkeypatch) -> None:
+    from noloco import generate as gen
+
+    for kw in (dict(temperature=0.8, seed=3), dict(temperature=0, top_k=None)):
+        cached = generate(runs["single"], "ROMEO:", max_tokens=40, **kw)
+        assert cached == generate(runs["single"], "ROMEO:", max_tokens=40, cache=False, **kw)
+    # past the context the window slides: still today's tokens (recomputed per token there)
+    real = gen.load_sampler
+    calls = {"cached": 0}
+
+    def small_context(path, which=None):
+        s = real(path, which)
+        s.context = 16
+        model = s.model
+
+        def counted(x, kv=None):
+            calls["cached"] += kv is not None
+            return model(x, kv)
+        s.model = counted
+        return s
+    monkeypatch.setattr(gen, "load_sampler", small_context)
+    a = generate(runs["single"], "To be", max_tokens=30, seed=5)
+    assert a == generate(runs["single"], "To be", max_tokens=30, seed=5, cache=False)
+    assert calls["cached"] == 16 - len("To be") + 1  # cached until the window slid
+
+
+def test_progress_without_a_terminal_shows_percent_and_time_left(capsys) -> None:
+    from noloco.metrics import Progress, duration
+
+    assert [duration(x) for x in (4.4, 65, 3600 * 2 + 7 * 60 + 3)] == [
+        "4 s", "1 min 05 s", "2 h 07 min"]
+    p = Progress(enabled=True, total=400, start=100)  # resumed at step 100
+    assert p.plain_line(100, "9 tok/s", 0.0) == "step    100/400 ( 25%) | 9 tok/s"
+    # 100 steps in 50 s since the resume: 200 steps left take 100 s
+    assert p.plain_line(200, "9 tok/s", 50.0) == (
+        "step    200/400 ( 50%) | 9 tok/s | 1 min 40 s left")
+    p.step(110, 2.5, 100)
+    assert "step    110/400 ( 28%) | loss 2.500" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(60)
+def test_the_closing_summary_names_noloco_report(runs, capsys) -> None:
+    from noloco.metrics import Progress
+
+    Progress(enabled=True, total=4).final(json.loads(
+        (runs["single"] / "summary.json").read_text()), "runs/x")
+    out = capsys.readouterr().out
+    assert "next: noloco report runs/x" in out and "noloco train --resume runs/x" in out

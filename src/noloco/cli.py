@@ -152,14 +152,32 @@ def train(ns: argparse.Namespace) -> int:
     if under_torchrun():
         from noloco.worker import main as worker_main
         return worker_main(cfg, resume=resuming, must_resume=resuming)
-    _preflight(cfg, resuming)
+    load = _preflight(cfg, resuming)
     rundir = RunDir(cfg.train.out)
     if resuming:
         _preflight_resume(cfg)
         rundir.write_config(cfg)
     else:
         rundir.prepare(cfg, overwrite=cfg.train.overwrite)
-    return launch_local(cfg, resume=resuming, must_resume=resuming)
+    code = launch_local(cfg, resume=resuming, must_resume=resuming)
+    _add_launcher_startup(rundir, load)
+    return code
+
+
+def _add_launcher_startup(rundir: Any, load: Any) -> None:
+    """The launcher's own tokenising (it builds the machine's token file before any worker
+    starts) into the summary's start-up figures."""
+    try:
+        summary = rundir.read_summary()
+    except (OSError, ValueError):
+        return
+    st = summary.get("startup")
+    if summary.get("status") != "completed" or not isinstance(st, dict):
+        return
+    st["launcher_tokenized"] = load.tokenized
+    st["launcher_seconds"] = load.seconds
+    st["tokenize_seconds"] += load.seconds if load.tokenized else 0.0
+    rundir.update_summary(startup=st)
 
 
 def _preflight_resume(cfg: Config) -> None:
@@ -178,11 +196,13 @@ def _preflight_resume(cfg: Config) -> None:
               f"learning rate", file=sys.stderr)
 
 
-def _preflight(cfg: Config, resuming: bool) -> None:
-    """Catch bad input before any worker starts or anything is written."""
-    from noloco.data import ShardedReader, load_corpus, make_tokenizer
+def _preflight(cfg: Config, resuming: bool) -> Any:
+    """Catch bad input before any worker starts or anything is written; build the machine's
+    token file on the way (the workers map it). Returns how the corpus was had."""
+    from noloco.data import ShardedReader, make_tokenizer
     from noloco.distributed import check_device
     from noloco.rundir import RunDir
+    from noloco.token_cache import cached_corpus
 
     check_device(cfg.train.device, cfg.world_size)
     RunDir(Path(cfg.train.out)).check(overwrite=cfg.train.overwrite or resuming)
@@ -192,9 +212,10 @@ def _preflight(cfg: Config, resuming: bool) -> None:
         if not p.exists():
             raise DataError(f"data path not found: {src}")
     tok = make_tokenizer(cfg.data.tokenizer)
-    corpus = load_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens,
-                         allow_binary=cfg.data.allow_binary)
+    corpus, load = cached_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens,
+                                 allow_binary=cfg.data.allow_binary)
     ShardedReader(corpus.train, cfg.data.seq_len, cfg.data.batch_size, 0, cfg.method.replicas)
+    return load
 
 
 def main(argv: list[str] | None = None) -> int:

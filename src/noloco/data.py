@@ -90,14 +90,20 @@ def builtin_documents() -> Iterator[tuple[str, str]]:
     regression-test package are left out so the corpus is the same on every install of one
     Python version.
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-    files = sorted(
-        p for p in root.rglob("*.py")
-        if not skip.intersection(p.relative_to(root).parts[:-1])
-    )
+    root, files = builtin_files()
     for p in files:
         yield str(p.relative_to(root).as_posix()), p.read_text(encoding="utf-8", errors="replace")
+
+
+def builtin_files() -> tuple[Path, list[Path]]:
+    """The standard library's directory and the files of the built-in corpus, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    files = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in skip]  # never walk into installed packages
+        files.extend(Path(d) / n for n in names if n.endswith(".py"))
+    return root, sorted(files)
 
 
 def path_documents(path: str, allow_binary: bool = False) -> Iterator[tuple[str, str]]:

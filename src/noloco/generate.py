@@ -5,6 +5,10 @@ The model comes from a run directory (``model/``: a replica or the replicas' ave
 the tokenizer the run trained with, or from a Hugging Face model directory
 (``config.json`` + weights + tokenizer, e.g. one written by ``noloco export``).
 Sampling: temperature, then top-k, one token at a time over the last ``max_seq_len`` tokens.
+The built-in model keeps its keys and values (:class:`noloco.model.KVCache`), so each new
+token costs one position's work while the text fits its context; past it the window slides
+and every token recomputes its window (rotary positions restart with it), as without a cache.
+Hugging Face models sample through transformers' own ``generate()``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,14 @@ from noloco.config import ConfigError
 
 
 class _Sampler:
-    """A causal LM and its tokenizer behind one interface."""
+    """A causal LM and its tokenizer behind one interface: ``logits(ids)`` of the last
+    position; ``model`` the built-in Transformer (KV cache) or None; ``hf`` a transformers
+    model whose ``generate()`` samples, or None."""
 
-    def __init__(self, logits: Any, encode: Any, decode: Any, context: int) -> None:
+    def __init__(self, logits: Any, encode: Any, decode: Any, context: int,
+                 model: Any = None, hf: Any = None) -> None:
         self.logits, self.encode, self.decode, self.context = logits, encode, decode, context
+        self.model, self.hf = model, hf
 
 
 def _from_run(path: Path, which: str | None) -> _Sampler:
@@ -36,14 +44,17 @@ def _from_run(path: Path, which: str | None) -> _Sampler:
         raise ConfigError(str(e.args[0])) from None
     tok = make_tokenizer(index.get("tokenizer", "bytes"))
     model.eval()
+    builtin, hf_model = None, None
     if getattr(model, "args", None) is not None:
         context = model.args.max_seq_len
+        builtin = model
     else:  # a Hugging Face model trained with --hf-model
         from noloco.hf import max_positions
 
         context = max_positions(model.config)
+        hf_model = model.hf
     return _Sampler(lambda ids: model(ids)[:, -1], lambda t: [int(i) for i in tok.encode(t)],
-                    tok.decode, context)
+                    tok.decode, context, model=builtin, hf=hf_model)
 
 
 def _from_hf(path: Path) -> _Sampler:
@@ -58,7 +69,7 @@ def _from_hf(path: Path) -> _Sampler:
     ctx = getattr(model.config, "max_position_embeddings", 2048)
     return _Sampler(lambda ids: model(ids).logits[:, -1],
                     lambda t: tok.encode(t, add_special_tokens=False),
-                    lambda ids: tok.decode(ids, skip_special_tokens=True), ctx)
+                    lambda ids: tok.decode(ids, skip_special_tokens=True), ctx, hf=model)
 
 
 def load_sampler(path: str | Path, which: str | None = None) -> _Sampler:
@@ -73,19 +84,51 @@ def load_sampler(path: str | Path, which: str | None = None) -> _Sampler:
                       f"directory")
 
 
+def _hf_generate(s: _Sampler, ids: list[int], max_tokens: int, temperature: float,
+                 top_k: int | None, seed: int) -> list[int]:
+    """transformers' ``generate()`` (its own KV cache); the context is cut as ours is."""
+    torch.manual_seed(seed)
+    ids = ids[-max(s.context - max_tokens, 1):]
+    x = torch.tensor([ids], dtype=torch.long)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or 0)
+    # eos_token_id=None: never stop early, as our own sampler (an end token decodes to nothing)
+    out = s.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                        eos_token_id=None, pad_token_id=0,
+                        **(sampling if temperature > 0 else dict(do_sample=False)))
+    return [int(i) for i in out[0, x.size(1):]]
+
+
 @torch.no_grad()
 def generate(path: str | Path, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
-             top_k: int | None = 40, seed: int = 0, which: str | None = None) -> str:
-    """The prompt's continuation (without the prompt)."""
+             top_k: int | None = 40, seed: int = 0, which: str | None = None,
+             cache: bool = True) -> str:
+    """The prompt's continuation (without the prompt). ``cache=False``: recompute the whole
+    window for every token (the built-in model; the same tokens, for comparison)."""
     if max_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
         raise ConfigError("need --max-tokens >= 0, --temperature >= 0 and --top-k >= 1")
     s = load_sampler(path, which)
     ids = s.encode(prompt) or [0]
+    if s.hf is not None and max_tokens > 0:
+        return s.decode(_hf_generate(s, ids, max_tokens, temperature, top_k, seed))
+    return s.decode(sample(s, ids, max_tokens, temperature, top_k, seed, cache))
+
+
+def sample(s: _Sampler, ids: list[int], max_tokens: int, temperature: float,
+           top_k: int | None, seed: int, cache: bool = True) -> list[int]:
+    from noloco.model import KVCache
+
     g = torch.Generator().manual_seed(seed)
     new: list[int] = []
+    kv = KVCache() if cache and s.model is not None else None
     for _ in range(max_tokens):
-        x = torch.tensor([(ids + new)[-s.context:]], dtype=torch.long)
-        logits = s.logits(x)[0].float()
+        window = (ids + new)[-s.context:]
+        if kv is not None and len(ids) + len(new) <= s.context:
+            # the window still starts at the first token: feed only what the cache lacks
+            x = torch.tensor([window[kv.length:]], dtype=torch.long)
+            logits = s.model(x, kv)[0, -1].float()
+        else:  # the window slides (or no cache): recompute it whole
+            kv = None
+            logits = s.logits(torch.tensor([window], dtype=torch.long))[0].float()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -95,7 +138,7 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 200, temperature: 
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
         new.append(nxt)
-    return s.decode(new)
+    return new
 
 
 def add_subparser(sub: Any) -> None:
@@ -110,6 +153,8 @@ def add_subparser(sub: Any) -> None:
     p.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens "
                    "(default 40)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context for "
+                   "every token instead of keeping keys and values (slower; for comparison)")
     p.add_argument("--which", default=None, help="run directory: 'average' or 'replica-K' "
                    "(default: the average where saved, else replica 0)")
     p.set_defaults(func=_main)
@@ -117,6 +162,6 @@ def add_subparser(sub: Any) -> None:
 
 def _main(ns: Any) -> int:
     text = generate(ns.path, ns.prompt, ns.max_tokens, ns.temperature, ns.top_k, ns.seed,
-                    ns.which)
+                    ns.which, cache=not ns.no_cache)
     print(ns.prompt + text)
     return 0

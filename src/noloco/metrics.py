@@ -9,6 +9,7 @@ exactly what the method sent and waited for.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,16 @@ def gather_scalars(world: Communicator, lay: Any, values: list[float],
     return [float(x) for x in rows.mean(0)]
 
 
+def duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``2 h 07 min``."""
+    s = max(int(round(seconds)), 0)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
 class Progress:
     """A rich progress bar on a terminal; plain lines otherwise (logs, CI)."""
 
@@ -114,6 +125,7 @@ class Progress:
         self.log_every = log_every
         self.tty = self.show_steps and sys.stderr.isatty()
         self.total = total
+        self.start = start
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.bar = None
@@ -135,7 +147,16 @@ class Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
         elif self.log_every > 0 and step % self.log_every == 0:
-            print(f"step {step:>6}/{self.total} | {info}", flush=True)
+            print(self.plain_line(step, info, time.perf_counter() - self.t0), flush=True)
+
+    def plain_line(self, step: int, info: str, elapsed: float) -> str:
+        """Without a terminal: the step, percent done and time left (at this run's pace
+        since it started or resumed)."""
+        done = step - self.start
+        pct = 100 * step / max(self.total, 1)
+        left = (f" | {duration(elapsed / done * (self.total - step))} left" if done > 0
+                else "")
+        return f"step {step:>6}/{self.total} ({pct:3.0f}%) | {info}{left}"
 
     def line(self, msg: str) -> None:
         if not self.enabled:
@@ -173,7 +194,8 @@ class Progress:
             f"{s['sync_seconds']:.2f} s in communication, compute utilisation "
             f"{s['compute_utilisation']:.3f}",
             f"  files: {out}/ (summary.json, metrics.jsonl, config.json, model/, checkpoints/)",
-            f"  next: noloco train --resume {out} --steps {2 * s['steps']}   |   "
+            f"  next: noloco report {out}   (a table and plots of this run, or of several)",
+            f"        noloco train --resume {out} --steps {2 * s['steps']}   |   "
             f"noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
         ]
         print("\n".join(lines), flush=True)
@@ -252,6 +274,55 @@ def _peak_rss_bytes() -> float:
     return float(rss if sys.platform == "darwin" else rss * 1024)
 
 
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (Linux: /proc), else None."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def startup_summary(trainer: Any) -> dict[str, Any]:
+    """Where start-up time went, per worker process (collective). ``tokenize_seconds`` sums
+    the seconds every worker spent tokenising (0 for a worker that mapped the machine's token
+    file; the launcher's own share is added by the launcher); ``import_seconds`` is the most
+    any worker took from its start to building its trainer (importing torch, mostly)."""
+    load = trainer.corpus_load
+    lay = trainer.lay
+    mem = _memory()
+    vals = [float(load.tokenized), load.seconds if load.tokenized else 0.0, load.seconds,
+            trainer.import_seconds or 0.0, trainer.first_step_seconds or 0.0,
+            float(trainer.corpus_private_bytes), mem.get("Pss", 0.0), mem.get("Rss", 0.0)]
+    total = [v * lay.world for v in gather_scalars(trainer.world, lay, vals)]
+    peak = gather_scalars(trainer.world, lay, vals, "max")
+    return {"workers": lay.world, "workers_tokenized": round(total[0]),
+            "tokenize_seconds": total[1], "corpus_seconds": total[2],
+            "import_seconds_max": peak[3] if trainer.import_seconds is not None else None,
+            "first_step_seconds_max": peak[4] if trainer.first_step_seconds else None,
+            # the corpus's tokens held privately (not a shared mapping of the token file)
+            "corpus_private_bytes_sum": int(total[5]),
+            # at the end of the run, summed over workers (Linux; 0 elsewhere): shared pages
+            # count once in the PSS sum, once per process in the RSS sum
+            "pss_bytes_sum": int(total[6]), "rss_bytes_sum": int(total[7]),
+            "token_cache": load.path}
+
+
+def _memory() -> dict[str, float]:
+    """This process's resident (Rss) and proportional (Pss) set sizes in bytes (Linux)."""
+    try:
+        lines = Path("/proc/self/smaps_rollup").read_text().splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 3 and parts[0].rstrip(":") in ("Rss", "Pss") and parts[2] == "kB":
+            out[parts[0].rstrip(":")] = float(parts[1]) * 1024
+    return out
+
+
 def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
     """summary.json of a completed run (:class:`noloco.train.Trainer` at its end, ``rec`` its
     final evaluation). Collective: every worker calls it."""
@@ -298,6 +369,7 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "resumed_from_step": trainer.resumed_from,
         "attempt": trainer.ctx.attempt,
         "model_dir": ckpt_mod.MODEL_DIR,
+        "startup": startup_summary(trainer),
     }
     if lay.stages > 1:
         summary["param_bytes"] = sum(gather_scalars(trainer.world, lay, [trainer.param_bytes],

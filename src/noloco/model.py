@@ -99,16 +99,44 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        cos, sin = rope_tables(t, self.head_dim, self.theta, x.device, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        start = 0 if cache is None else cache.length
+        cos, sin = rope_tables(start + t, self.head_dim, self.theta, x.device, q.dtype)
+        q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+        mask, causal = None, True
+        if cache is not None:
+            k, v = cache.append(self, k, v)
+            if start > 0:  # new query i sees every cached key and the new ones up to itself
+                causal = False
+                if t > 1:
+                    mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+            q, k, v, attn_mask=mask, is_causal=causal,
+            dropout_p=self.dropout if self.training else 0.0
         )
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, per attention layer, for generation:
+    each new token then costs one position's work instead of the whole context's. Positions
+    continue from ``length`` (the rotary angles of a cached key never change)."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+        """positions cached (every layer holds the same number once a forward has run)"""
+
+    def append(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        old = self.kv.get(id(layer))
+        if old is not None:
+            k, v = torch.cat((old[0], k), dim=2), torch.cat((old[1], v), dim=2)
+        self.kv[id(layer)] = (k, v)
+        return k, v
 
 
 class SwiGLU(nn.Module):
@@ -131,8 +159,8 @@ class Block(nn.Module):
         self.feed_forward = SwiGLU(args)
         self.drop = nn.Dropout(args.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attention(self.attention_norm(x), cache))
         return x + self.drop(self.feed_forward(self.ffn_norm(x)))
 
 
@@ -158,11 +186,14 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) int64 → logits (B, T, vocab)."""
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 → logits (B, T, vocab). With a cache, ``tokens`` continue the
+        positions it holds, and their keys and values are added to it."""
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h, cache)
+        if cache is not None:
+            cache.length += tokens.size(1)
         return self.output(self.norm(h))
 
 

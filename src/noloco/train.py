@@ -15,6 +15,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from noloco import checkpoint as ckpt_mod
@@ -30,10 +31,12 @@ from noloco.metrics import (
     WandB,
     gather_metrics,
     gather_scalars,
+    process_age_seconds,
     run_summary,
 )
 from noloco.model import build, count_params, lm_loss, preset
 from noloco.rundir import RunDir
+from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
 
 AVERAGED_METHODS = ("diloco", "noloco", "streaming")
@@ -125,9 +128,16 @@ class Trainer:
         self.status = status
         """the worker's :class:`noloco.worker.WorkerStatus`: the loop keeps its step current"""
         self.t_start = time.perf_counter()
+        self.import_seconds = process_age_seconds()
+        """from this process's start to here: mostly importing torch"""
         tokenizer = data_mod.make_tokenizer(d.tokenizer)
-        corpus = data_mod.load_corpus(d.data, tokenizer, d.seq_len, d.max_tokens,
-                                      allow_binary=d.allow_binary)
+        # the machine's token file, mapped (tokenised here only if no one has yet)
+        corpus, self.corpus_load = cached_corpus(d.data, tokenizer, d.seq_len, d.max_tokens,
+                                                 allow_binary=d.allow_binary)
+        self.corpus_private_bytes = sum(a.nbytes for a in (corpus.train, corpus.val)
+                                        if not isinstance(a, np.memmap))
+        self.first_step_seconds: float | None = None
+        """from this process's start to the end of its first inner step"""
         self.reader = data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, lay.replica,
                                              lay.replicas, seed=t.seed)
         self.val = [(x.to(device), y.to(device)) for x, y in data_mod.validation_batches(
@@ -336,6 +346,8 @@ class Trainer:
             faults.pace(time.perf_counter() - s0)
             c1, blocked = time.perf_counter(), comm.sync_seconds - sync0
             st.step = self.status.step = step + 1
+            if self.first_step_seconds is None:
+                self.first_step_seconds = process_age_seconds()
             for beat in (self.watchdog, self.membership):
                 if beat is not None:
                     beat.step = st.step
