@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_export(sub)
     add_report(sub)
-    from noloco.coordinator import add_subparser as add_coordinator
+    from noloco.elastic.coordinator import add_subparser as add_coordinator
     add_coordinator(sub)
     try:
         from noloco.netsim.cli import add_subparsers as add_netsim
@@ -159,7 +159,11 @@ def train(ns: argparse.Namespace) -> int:
         rundir.write_config(cfg)
     else:
         rundir.prepare(cfg, overwrite=cfg.train.overwrite)
-    code = launch_local(cfg, resume=resuming, must_resume=resuming)
+    if cfg.method.elastic:
+        from noloco.elastic.launcher import ElasticSupervisor
+        code = ElasticSupervisor(cfg, resuming, resuming).run()
+    else:
+        code = launch_local(cfg, resume=resuming, must_resume=resuming)
     _add_launcher_startup(rundir, load)
     return code
 

@@ -18,14 +18,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from noloco.errors import ConfigError as ConfigError  # re-exported: its home is noloco.errors
+
 METHODS = ("single", "ddp", "diloco", "noloco", "streaming")
 ROUTINGS = ("random", "fixed")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 QUANT_FORMATS = ("none", "fp4", "int8", "fp8")
-
-
-class ConfigError(ValueError):
-    """An impossible or malformed configuration (reported as one line, exit code 2)."""
 
 
 def opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:

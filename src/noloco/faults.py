@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from noloco.config import ConfigError
+from noloco.errors import ConfigError
 
 KINDS = ("kill", "stall", "slow", "crash")
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from noloco.config import ConfigError
+from noloco.errors import ConfigError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")

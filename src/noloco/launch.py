@@ -62,9 +62,8 @@ def under_torchrun() -> bool:
 def launch_local(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
     """Run the whole job on this machine; returns the exit code."""
     t = cfg.train
-    if cfg.method.elastic:
-        from noloco.elastic_launch import ElasticSupervisor
-        return ElasticSupervisor(cfg, resume, must_resume).run()
+    if cfg.method.elastic:  # its own launcher, which the caller picks (no import circle)
+        raise ValueError("an elastic run starts through noloco.elastic.launcher")
     if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
         from noloco.worker import main
         return main(cfg, resume, must_resume, rundir_ready=True)

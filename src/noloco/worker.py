@@ -58,7 +58,7 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
             raise ConfigError("--elastic does not run under torchrun: across machines, start "
                               "`noloco coordinator` and `noloco train --elastic --coordinator "
                               "HOST:PORT --replica-ids ...` on each (docs/elastic.md)")
-        from noloco import elastic_worker
+        from noloco.elastic import worker as elastic_worker
         return elastic_worker.run(cfg, status)
     cfg = cfg.resolved()
     m, t = cfg.method, cfg.train

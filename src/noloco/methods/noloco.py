@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,21 @@ def groups_at(exchange: int, replicas: int, group_size: int, seed: int = 0
     perm = permutation(exchange, replicas, seed)
     k = replicas // group_size
     return [sorted(int(perm[g + j * k]) for j in range(group_size)) for g in range(k)]
+
+
+def groups_of(members: Sequence[int], exchange: int, group_size: int, seed: int = 0
+              ) -> list[list[int]]:
+    """The groups of ``exchange`` among ``members`` (an elastic run's snapshot): the static
+    draw (:func:`groups_at`) when every replica is a member; otherwise the
+    same rule on the members, with the ones left over joining the last group."""
+    members = sorted(members)
+    perm = permutation(exchange, len(members), seed)
+    k = len(members) // group_size
+    if k == 0:
+        return [members]
+    groups = [[members[int(perm[g + j * k])] for j in range(group_size)] for g in range(k)]
+    groups[-1] += [members[int(i)] for i in perm[k * group_size:]]
+    return [sorted(g) for g in groups]
 
 
 def stability_bounds(alpha: float, group_size: int) -> tuple[float, float]:
@@ -108,7 +124,6 @@ class NoLoCo(OuterSync):
             if members is None:
                 groups = groups_at(self.exchanges, self.comm.size, self.group_size, self.seed)
             else:  # an elastic run: the replicas alive in this exchange's snapshot
-                from noloco.elastic import groups_of
                 groups = groups_of(members, self.exchanges, self.group_size, self.seed)
             group = next((g for g in groups if self.comm.rank in g), [self.comm.rank])
         self.exchanges += 1

@@ -1,47 +1,9 @@
-"""Elastic training: a replica is a fault domain (``--elastic``).
-
-In a static run all N workers share one ``torch.distributed`` world, and one dead or frozen
-process stops every replica. Here replicas share nothing but the run's c10d ``TCPStore``
-(hosted by the local launcher): no world process group, no collective over all replicas.
-
-Membership
-    Every replica writes a heartbeat into the store from a daemon thread (a frozen process
-    stops writing). A replica is *alive* while its newest heartbeat is younger than
-    ``--peer-timeout`` and it has not announced that it finished. Heartbeats carry wall-clock
-    times: replicas on different machines need clocks agreeing to well within the timeout
-    (NTP gives milliseconds).
-
-Snapshots: who takes part in operation c
-    Every replica issues the same sequence of operations (one per outer step or fragment
-    sync: the schedule is a function of the step alone), numbered c = 0, 1, ... The first
-    replica to reach operation c writes the list of replicas alive at that moment under the
-    store key of c with compare-and-set; every later replica reads that value back. Invariant:
-    the key is written once and never changed (compare-and-set on the store's server is
-    atomic), so every replica that reaches c sees the same list, draws the same groups from
-    it (a deterministic function of the list, the seed and c) and so the same partner — two
-    replicas can never disagree on who their partner is. No barrier is needed: nobody waits
-    for the snapshot, the first one fixes it.
-
-Arrival: who actually comes
-    A member of a group announces itself under the group's key for c and waits, at most
-    ``--peer-timeout``, for the others. Whoever first sees everyone (or runs out of time)
-    fixes the set of arrived members with compare-and-set; everyone reads that same set.
-    A replica that arrives after the set was fixed without it goes on alone (its weights
-    unchanged by the exchange). The members of the set build a gloo process group on a store
-    prefix named after c, the group and the attempt — exactly those members, no call on any
-    other process — and exchange. A member that dies during the exchange breaks the
-    connection (kill) or lets it time out (stall): NoLoCo averages with the members whose data
-    arrived; an all-reduce (DiLoCo) discards the step and retries among the survivors.
-
-With nobody failing every snapshot holds all replicas, every set is the whole group, and the
-values exchanged and summed are the static path's: elastic NoLoCo is bit-identical to static
-NoLoCo (a test checks).
-"""
+"""The method's communicator in an elastic run: snapshots, arrival agreement and a process
+group per operation for exactly its members (see the package docstring)."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -60,118 +22,11 @@ from noloco.comm import (
     quantized_messages,
     ring_all_reduce_bytes,
 )
+from noloco.elastic.keys import PREFIX
+from noloco.elastic.membership import Membership
+from noloco.methods.noloco import groups_of
 
-PREFIX = "noloco/elastic"
-
-
-def heartbeat_key(replica: int, stage: int = 0) -> str:
-    return f"{PREFIX}/hb/{replica}/{stage}"
-
-
-def done_key(replica: int, stage: int = 0) -> str:
-    return f"{PREFIX}/done/{replica}/{stage}"
-
-
-def join_key(donor: int) -> str:
-    """The counter of join requests made to ``donor`` (each request under ``KEY/N``)."""
-    return f"{PREFIX}/join/{donor}"
-
-
-class Membership:
-    """Heartbeats of this worker (one stage of one replica) and which replicas are alive: a
-    replica with pipeline stages is alive while every one of its stages is (they fail
-    together: a stage cannot train without the others)."""
-
-    def __init__(self, store: Any, replica: int, replicas: int, peer_timeout: float,
-                 incarnation: int = 0, stage: int = 0, stages: int = 1) -> None:
-        self.store, self.replica, self.replicas = store, replica, replicas
-        self.stage, self.stages = stage, stages
-        self.peer_timeout, self.incarnation = peer_timeout, incarnation
-        self.interval = min(1.0, peer_timeout / 5)
-        self.step = 0
-        self.join_requests = 0
-        """join requests made to this replica so far, as of the last heartbeat"""
-        self.ready = False
-        """training (a joining replica is not, until it has its state)"""
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> Membership:
-        self.beat()
-        self._thread = threading.Thread(target=self._loop, name="noloco-membership",
-                                        daemon=True)
-        self._thread.start()
-        return self
-
-    def beat(self) -> None:
-        self.store.set(heartbeat_key(self.replica, self.stage), json.dumps(
-            {"t": time.time(), "step": self.step, "incarnation": self.incarnation,
-             "ready": self.ready}))
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.beat()
-                # Read here, off the training loop: a store round trip per inner step would
-                # cost a network latency per step across machines.
-                self.join_requests = int(self.store.add(join_key(self.replica), 0))
-            except Exception:  # noqa: BLE001 - the store may be gone with the run
-                return
-
-    def finish(self) -> None:
-        """Announce that this replica finished: nobody waits for it any more."""
-        self._stop.set()
-        try:
-            self.store.set(done_key(self.replica, self.stage), "1")
-        except Exception:  # noqa: BLE001
-            pass
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def alive(self) -> list[int]:
-        """The replicas alive now (this one always)."""
-        others = live_replicas(self.store, self.replicas, self.stages, self.peer_timeout)
-        return sorted({*others, self.replica})
-
-    def donors(self) -> list[int]:
-        """Live replicas that train (not themselves joining), the furthest along first: the
-        ones a joining or healing replica may take its state from."""
-        live = live_replicas(self.store, self.replicas, self.stages, self.peer_timeout)
-        ready = [(b["step"], r) for r, b in live.items() if r != self.replica and b["ready"]]
-        return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
-
-
-def live_replicas(store: Any, replicas: int, stages: int, peer_timeout: float
-                  ) -> dict[int, dict[str, Any]]:
-    """Replica → its stage 0's newest heartbeat, for every replica whose stages all beat
-    within ``peer_timeout`` and none of which has finished."""
-    now, out = time.time(), {}
-    for r in range(replicas):
-        keys = [heartbeat_key(r, s) for s in range(stages)]
-        if not store.check(keys) or any(store.check([done_key(r, s)]) for s in range(stages)):
-            continue
-        beats = [json.loads(store.get(k)) for k in keys]
-        if all(now - b["t"] <= peer_timeout for b in beats):
-            out[r] = {"ready": False, **beats[0]}
-    return out
-
-
-def groups_of(members: Sequence[int], exchange: int, group_size: int, seed: int = 0
-              ) -> list[list[int]]:
-    """The groups of ``exchange`` among ``members`` (a snapshot): the static draw
-    (:func:`noloco.methods.noloco.groups_at`) when every replica is a member; otherwise the
-    same rule on the members, with the ones left over joining the last group."""
-    from noloco.methods.noloco import permutation
-
-    members = sorted(members)
-    perm = permutation(exchange, len(members), seed)
-    k = len(members) // group_size
-    if k == 0:
-        return [members]
-    groups = [[members[int(perm[g + j * k])] for j in range(group_size)] for g in range(k)]
-    groups[-1] += [members[int(i)] for i in perm[k * group_size:]]
-    return [sorted(g) for g in groups]
+__all__ = ["ElasticCommunicator", "groups_of"]
 
 
 class ElasticCommunicator(Communicator):

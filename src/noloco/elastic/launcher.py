@@ -2,9 +2,9 @@
 
 Unlike :class:`noloco.launch.Supervisor`, a worker that dies does not stop the others: the
 failure is recorded (replica, step, how), the replica is started again while ``--respawn``
-allows (it joins from a live replica, :mod:`noloco.elastic_worker`), and the run ends when
+allows (it joins from a live replica, :mod:`noloco.elastic.join`), and the run ends when
 every replica has finished or died. Then the run's numbers are combined from the files each
-replica left (:func:`noloco.elastic_worker.combine`). The launcher hosts the store the
+replica left (:func:`noloco.elastic.worker.combine`). The launcher hosts the store the
 replicas meet in (membership, snapshots, process-group rendezvous); it takes part in no
 training operation.
 """
@@ -22,8 +22,9 @@ from datetime import timedelta
 from typing import Any
 
 from noloco.config import local_replicas, parse_address
-from noloco.elastic import heartbeat_key, live_replicas
-from noloco.elastic_worker import combine
+from noloco.elastic.keys import heartbeat_key
+from noloco.elastic.membership import live_replicas
+from noloco.elastic.worker import combine
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir
 

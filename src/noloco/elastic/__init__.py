@@ -1,0 +1,52 @@
+"""Elastic training: a replica is a fault domain (``--elastic``).
+
+The package, in the order data flows: :mod:`.keys` (the store layout), :mod:`.membership`
+(heartbeats, who is alive), :mod:`.communicator` (snapshots, arrival agreement and the
+per-operation process groups), :mod:`.join` (a replica taking a live replica's state),
+:mod:`.worker` (one replica's training), :mod:`.launcher` (this machine's replicas) and
+:mod:`.coordinator` (the store of a run across machines).
+
+In a static run all N workers share one ``torch.distributed`` world, and one dead or frozen
+process stops every replica. Here replicas share nothing but the run's c10d ``TCPStore``
+(hosted by the local launcher): no world process group, no collective over all replicas.
+
+Membership
+    Every replica writes a heartbeat into the store from a daemon thread (a frozen process
+    stops writing). A replica is *alive* while its newest heartbeat is younger than
+    ``--peer-timeout`` and it has not announced that it finished. Heartbeats carry wall-clock
+    times: replicas on different machines need clocks agreeing to well within the timeout
+    (NTP gives milliseconds).
+
+Snapshots: who takes part in operation c
+    Every replica issues the same sequence of operations (one per outer step or fragment
+    sync: the schedule is a function of the step alone), numbered c = 0, 1, ... The first
+    replica to reach operation c writes the list of replicas alive at that moment under the
+    store key of c with compare-and-set; every later replica reads that value back. Invariant:
+    the key is written once and never changed (compare-and-set on the store's server is
+    atomic), so every replica that reaches c sees the same list, draws the same groups from
+    it (a deterministic function of the list, the seed and c) and so the same partner — two
+    replicas can never disagree on who their partner is. No barrier is needed: nobody waits
+    for the snapshot, the first one fixes it.
+
+Arrival: who actually comes
+    A member of a group announces itself under the group's key for c and waits, at most
+    ``--peer-timeout``, for the others. Whoever first sees everyone (or runs out of time)
+    fixes the set of arrived members with compare-and-set; everyone reads that same set.
+    A replica that arrives after the set was fixed without it goes on alone (its weights
+    unchanged by the exchange). The members of the set build a gloo process group on a store
+    prefix named after c, the group and the attempt — exactly those members, no call on any
+    other process — and exchange. A member that dies during the exchange breaks the
+    connection (kill) or lets it time out (stall): NoLoCo averages with the members whose data
+    arrived; an all-reduce (DiLoCo) discards the step and retries among the survivors.
+
+With nobody failing every snapshot holds all replicas, every set is the whole group, and the
+values exchanged and summed are the static path's: elastic NoLoCo is bit-identical to static
+NoLoCo (a test checks).
+"""
+
+from noloco.elastic.communicator import ElasticCommunicator, groups_of
+from noloco.elastic.keys import PREFIX, done_key, heartbeat_key, join_key
+from noloco.elastic.membership import Membership, live_replicas
+
+__all__ = ["PREFIX", "ElasticCommunicator", "Membership", "done_key", "groups_of",
+           "heartbeat_key", "join_key", "live_replicas"]

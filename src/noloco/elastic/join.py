@@ -1,0 +1,281 @@
+"""A replica taking a live replica's state: joining (a respawned or relaunched replica) and
+healing (a DiLoCo replica the quorum stepped without), from both ends.
+
+The joiner asks a donor — a live replica that trains, the furthest along first — by
+incrementing the donor's join counter and naming itself under the request's key; the donor
+serves between two inner steps (never inside one), sending the live state — model, the
+method's whole state (slow weights, outer momentum, syncs in flight), the step and the
+operation count — over a two-member gloo group on the request's store prefix. The joiner
+keeps its own inner optimizer and data position (from its newest checkpoint, if any). With
+pipeline stages every stage takes its state from the donor's same stage, all at one step that
+the donor's stage 0 fixes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from noloco import checkpoint as ckpt_mod
+from noloco.comm import CommError
+from noloco.config import ConfigError
+from noloco.elastic.keys import PREFIX, join_key
+from noloco.train import weights_checksum
+
+
+class Joining:
+    """The join and heal protocol of :class:`noloco.elastic.worker.ElasticTrainer` (a mixin:
+    it uses the trainer's membership, layout, state, method and optimizers)."""
+
+    membership: Any
+    lay: Any
+    cfg: Any
+    state: Any
+    status: Any
+    comm: Any
+    method: Any
+    runner: Any
+    inner: Any
+    reader: Any
+    params: list[torch.Tensor]
+    joins: list[dict[str, Any]]
+    served: int
+    next_serve: int
+    resumed_from: int | None
+
+    # ---- join: donor side ------------------------------------------------------------------
+    def live_state(self) -> dict[str, Any]:
+        """What a joining replica takes from its donor (everything but the inner optimizer,
+        the data position and the random streams, which are the joiner's own)."""
+        return {"model": {n: p.detach().clone() for n, p in self.runner.named_parameters()},
+                "method": self.method.state_dict(), "comm_calls": self.comm.calls,
+                "step": self.state.step, "donor": self.lay.replica}
+
+    def between_steps(self) -> None:
+        if self.comm.behind:
+            self.heal()
+        if self.lay.stages > 1:
+            self._serve_staged()
+            return
+        store = self.membership.store
+        counter = join_key(self.lay.replica)
+        while self.served < self.membership.join_requests:
+            self.served += 1
+            tag = f"{counter}/{self.served}"
+            t0 = time.perf_counter()
+            try:
+                # The joiner counts itself in, then names itself: it may die in between.
+                deadline = time.monotonic() + self.cfg.method.peer_timeout
+                while not store.check([tag]):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the request was never completed")
+                    time.sleep(0.01)
+                req = json.loads(store.get(tag))
+                nbytes = self._send_state(tag)
+            except RuntimeError as e:  # the joiner died meanwhile: go on
+                print(f"noloco: replica {self.lay.replica}: a state transfer (request "
+                      f"{self.served}) failed ({str(e).splitlines()[0][:120]})",
+                      file=sys.stderr, flush=True)
+                continue
+            self.joins.append({"kind": "donated", "to": req["replica"], "step": self.state.step,
+                               "bytes": nbytes, "seconds": time.perf_counter() - t0,
+                               "checksum": self.checksum()})
+
+    def _serve_staged(self) -> None:
+        """Donor side with pipeline stages: every stage of the joiner takes its state from the
+        same stage of this replica, all at one step. Stage 0 takes the requests and fixes
+        the step: the next one. No other stage can have passed it yet — a stage finishes a
+        step only with stage 0's activations of that step — so every stage of this replica
+        serves at exactly that step."""
+        store, lay = self.membership.store, self.lay
+        counter = join_key(lay.replica)
+        if self.next_serve >= self.membership.join_requests:
+            return  # nothing asked (the common case: no store round trip)
+        if lay.stage == 0:
+            while self.served < self.membership.join_requests:
+                self.served += 1
+                if self._request(f"{counter}/{self.served}") is not None:
+                    store.set(f"{counter}/serve/{self.served}",
+                              json.dumps({"step": self.state.step + 1}))
+        while True:
+            key = f"{counter}/serve/{self.next_serve + 1}"
+            if not store.check([key]):
+                return
+            at = json.loads(store.get(key))["step"]
+            if at > self.state.step:
+                return
+            self.next_serve += 1
+            n = self.next_serve
+            if at < self.state.step:  # cannot happen (see above); never serve a wrong step
+                continue
+            t0 = time.perf_counter()
+            try:
+                nbytes = self._send_state(f"{counter}/{n}/s{lay.stage}")
+            except RuntimeError as e:
+                print(f"noloco: replica {lay.replica} stage {lay.stage}: a state transfer "
+                      f"failed ({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+                continue
+            self.joins.append({"kind": "donated", "request": n, "stage": lay.stage,
+                               "step": self.state.step, "bytes": nbytes,
+                               "seconds": time.perf_counter() - t0, "checksum": self.checksum()})
+
+    def _request(self, tag: str) -> dict[str, Any] | None:
+        """A join request once the joiner has named itself (it counts itself in first, and
+        may die in between): None if it never does within the timeout."""
+        store = self.membership.store
+        deadline = time.monotonic() + self.cfg.method.peer_timeout
+        while not store.check([tag]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+        return json.loads(store.get(tag))
+
+    def checksum(self) -> int:
+        """Of the model and the slow weights (the transfer is checked bit for bit with it)."""
+        phi = getattr(self.method, "slow", None)
+        flat: list[torch.Tensor] = []
+        for t in phi if phi is not None else []:  # per parameter, or per fragment (Streaming)
+            flat.extend(t if isinstance(t, list | tuple) else [t])
+        return weights_checksum(self.params + flat)
+
+    def _send_state(self, tag: str) -> int:
+        buf = io.BytesIO()
+        torch.save(self.live_state(), buf)
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 0, 2,
+                                   timedelta(seconds=self.cfg.method.peer_timeout))
+        pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
+        pg.send([blob], 1, 1).wait()
+        return blob.numel() + 8
+
+    # ---- join: joiner side -----------------------------------------------------------------
+    def heal(self) -> None:
+        """DiLoCo's replicas share their slow weights; one the quorum stepped without (it was
+        late: stalled, slow) takes a live replica's state, step included — the way torchft
+        heals a replica — keeping its own inner optimizer and data position."""
+        if self.membership.donors():
+            resumed_from = self.resumed_from
+            if self.join(own=None, tries=1, kind="healed"):
+                self.comm.behind = False  # else: again before the next step
+            self.resumed_from = resumed_from
+        else:  # nobody to take a state from: this replica's own is the live one
+            self.comm.behind = False
+
+    def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
+             kind: str = "joined") -> bool:
+        """Take the live state from a live replica (see the module docstring): the one
+        furthest along among those that train (never another joining one)."""
+        if kind == "joined":
+            own = self._own_checkpoint()
+        if self.lay.stages > 1:
+            return self._join_staged(own)
+        store = self.membership.store
+        deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        while time.monotonic() < deadline and (tries is None or tries > 0):
+            donors = self.membership.donors()
+            if not donors:
+                time.sleep(0.2)
+                continue
+            if tries is not None:
+                tries -= 1
+            donor = donors[0]
+            n = store.add(join_key(donor), 1)
+            tag = f"{join_key(donor)}/{n}"
+            store.set(tag, json.dumps({"replica": self.lay.replica}))
+            t0 = time.perf_counter()
+            try:
+                state, nbytes = self._receive_state(tag)
+            except RuntimeError:  # the donor died or is stuck: ask another
+                continue
+            before = self.state.step
+            self._adopt(state, own)
+            self.joins.append({"kind": kind, "from": donor, "step": self.state.step,
+                               "step_before": before, "bytes": nbytes,
+                               "seconds": time.perf_counter() - t0,
+                               "checksum": self.checksum(),
+                               "own_checkpoint_step": own.get("step") if own else None})
+            print(f"noloco: replica {self.lay.replica} {kind} at step {self.state.step} with "
+                  f"the state of replica {donor} ({nbytes / 1e6:.1f} MB in "
+                  f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
+            return True
+        if kind == "joined":
+            raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
+        return False
+
+    def _join_staged(self, own: dict[str, Any] | None) -> bool:
+        """Joiner side with pipeline stages: stage 0 picks the donor and asks it; every stage
+        takes its state from the donor's same stage (:meth:`_serve_staged`)."""
+        store, lay, m = self.membership.store, self.lay, self.membership
+        choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}"
+        deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        if lay.stage == 0:
+            while not (donors := m.donors()):
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"replica {lay.replica} found no live replica to join")
+                time.sleep(0.2)
+            donor = donors[0]
+            n = store.add(join_key(donor), 1)
+            store.set(f"{join_key(donor)}/{n}", json.dumps({"replica": lay.replica}))
+            store.set(choice, json.dumps({"donor": donor, "n": n}))
+        while not store.check([choice]):
+            if time.monotonic() > deadline:
+                raise ConfigError(f"replica {lay.replica} found no live replica to join")
+            time.sleep(0.05)
+        c = json.loads(store.get(choice))
+        tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
+        t0 = time.perf_counter()
+        try:
+            state, nbytes = self._receive_state(tag)
+        except RuntimeError as e:  # the donor died or finished first: this start fails
+            raise CommError(f"replica {lay.replica} stage {lay.stage} could not take its state "
+                            f"from replica {c['donor']} ({str(e).splitlines()[0][:120]})"
+                            ) from None
+        self._adopt(state, own)
+        self.joins.append({"kind": "joined", "from": c["donor"], "stage": lay.stage,
+                           "step": self.state.step, "bytes": nbytes,
+                           "seconds": time.perf_counter() - t0, "checksum": self.checksum(),
+                           "own_checkpoint_step": own.get("step") if own else None})
+        if lay.stage == 0:
+            print(f"noloco: replica {lay.replica} joined at step {self.state.step} with the "
+                  f"state of replica {c['donor']}", file=sys.stderr, flush=True)
+        return True
+
+    def _receive_state(self, tag: str) -> tuple[dict[str, Any], int]:
+        """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 1, 2,
+                                   timedelta(seconds=self.cfg.method.peer_timeout * 3))
+        size = torch.zeros(1, dtype=torch.int64)
+        pg.recv([size], 0, 0).wait()
+        blob = torch.empty(int(size.item()), dtype=torch.uint8)
+        pg.recv([blob], 0, 1).wait()
+        # Tensors and plain containers only: no pickled code runs (as with checkpoints).
+        state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        return state, blob.numel() + 8
+
+    def _own_checkpoint(self) -> dict[str, Any] | None:
+        root = self._checkpoint_root()
+        if not root.is_dir():
+            return None
+        step, sd = ckpt_mod.agree_on_step(root, 0, self.cfg.math_hash(), lambda x: [x])
+        return sd if step is not None else None
+
+    @torch.no_grad()
+    def _adopt(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
+        named = dict(self.runner.named_parameters())
+        for name, p in named.items():
+            p.copy_(state["model"][name])
+        self.method.load_state_dict(state["method"])
+        self.comm.calls = int(state["comm_calls"])
+        if own is not None:  # this replica's own inner optimizer and data position
+            self.inner.load_state_dict(own["optimizer"])
+            self.reader.load_state_dict(own["reader"])
+        self.state.step = self.status.step = int(state["step"])
+        self.membership.step = self.state.step
+        self.resumed_from = self.state.step
