@@ -11,11 +11,14 @@ process stops every replica. Here replicas share nothing but the run's c10d ``TC
 (hosted by the local launcher): no world process group, no collective over all replicas.
 
 Membership
-    Every replica writes a heartbeat into the store from a daemon thread (a frozen process
-    stops writing). A replica is *alive* while its newest heartbeat is younger than
-    ``--peer-timeout`` and it has not announced that it finished. Heartbeats carry wall-clock
-    times: replicas on different machines need clocks agreeing to well within the timeout
-    (NTP gives milliseconds).
+    Every worker writes a heartbeat into the store from a daemon thread with its own store
+    connection (a frozen process stops writing; a training thread blocked in the store does
+    not). A heartbeat holds a counter, never a time. The store host's monitor (the local
+    launcher, or ``noloco coordinator``) notes on its own monotonic clock when each counter
+    last moved: a replica is *alive* while every stage's counter moved within
+    ``--peer-timeout`` and none announced that it finished. It publishes that set under one
+    key; replicas read it in one request. No two clocks are ever compared, so machines whose
+    wall clocks disagree (or jump) see each other as they are.
 
 Snapshots: who takes part in operation c
     Every replica issues the same sequence of operations (one per outer step or fragment
@@ -46,7 +49,7 @@ NoLoCo (a test checks).
 
 from noloco.elastic.communicator import ElasticCommunicator, groups_of
 from noloco.elastic.keys import PREFIX, done_key, heartbeat_key, join_key
-from noloco.elastic.membership import Membership, live_replicas
+from noloco.elastic.membership import Membership, Monitor, live_replicas
 
-__all__ = ["PREFIX", "ElasticCommunicator", "Membership", "done_key", "groups_of",
+__all__ = ["PREFIX", "ElasticCommunicator", "Membership", "Monitor", "done_key", "groups_of",
            "heartbeat_key", "join_key", "live_replicas"]

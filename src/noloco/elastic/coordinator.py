@@ -44,6 +44,9 @@ def run(ns: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     store = dist.TCPStore(ns.host, port, None, True, timedelta(seconds=60),
                           wait_for_workers=False, master_listen_fd=sock.detach())
+    from noloco.elastic.membership import Monitor
+
+    monitor = Monitor(store).start()  # liveness, judged here on one clock for every machine
     stop: list[int] = []
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.append(signum))
@@ -52,5 +55,6 @@ def run(ns: argparse.Namespace) -> int:
           flush=True)
     while not stop:
         time.sleep(0.2)
+    monitor.stop()
     del store
     return 0

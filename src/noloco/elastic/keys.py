@@ -16,3 +16,15 @@ def done_key(replica: int, stage: int = 0) -> str:
 def join_key(donor: int) -> str:
     """The counter of join requests made to ``donor`` (each request under ``KEY/N``)."""
     return f"{PREFIX}/join/{donor}"
+
+
+def live_key() -> str:
+    """The live set, published by the store host's :class:`~noloco.elastic.membership.Monitor`
+    (JSON: replica → its stage 0's newest heartbeat, for every replica judged alive)."""
+    return f"{PREFIX}/live"
+
+
+def settings_key() -> str:
+    """What the monitor needs to know of the run (replicas, stages, peer timeout), written by
+    the first replica to start (compare-and-set: every replica has the same settings)."""
+    return f"{PREFIX}/settings"

@@ -23,7 +23,7 @@ from typing import Any
 
 from noloco.config import local_replicas, parse_address
 from noloco.elastic.keys import heartbeat_key
-from noloco.elastic.membership import live_replicas
+from noloco.elastic.membership import Monitor, live_replicas
 from noloco.elastic.worker import combine
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir
@@ -53,6 +53,9 @@ class ElasticSupervisor(Supervisor):
         else:
             self.coordinator = None
             self.host_store()
+        # Liveness is judged beside the store (on one clock): here when this launcher hosts
+        # it; `noloco coordinator` does it for a run across machines.
+        monitor = Monitor(self.store).start() if self.coordinator is None else None
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.time()
         self.incarnation = {r: 0 for r in self.local}
@@ -93,8 +96,8 @@ class ElasticSupervisor(Supervisor):
                     self._record_failure(r, min(failed))  # a signal (< 0) names the cause
                     # Someone to join from: a replica here, or one alive elsewhere.
                     others = [q for q in self.reps if q != r and q not in finished | dead] or [
-                        q for q in live_replicas(self.store, self.replicas, self.stages,
-                                                 self.cfg.method.peer_timeout) if q != r]
+                        q for q in live_replicas(self.store, self.replicas, self.stages)
+                        if q != r]
                     if respawns > 0 and others:
                         respawns -= 1
                         self.incarnation[r] += 1
@@ -107,6 +110,8 @@ class ElasticSupervisor(Supervisor):
                         dead.add(r)
                 time.sleep(0.05)
         finally:
+            if monitor is not None:
+                monitor.stop()
             self._stop_all()
             for s, h in handlers.items():
                 signal.signal(s, h)

@@ -1,14 +1,43 @@
 """Heartbeats of a replica's workers, and which replicas are alive (see the package
-docstring: *Membership*)."""
+docstring: *Membership*).
+
+Liveness is judged without comparing clocks: a heartbeat carries a counter ``n`` that its
+writer increments at every beat, never a time. The :class:`Monitor`, which runs beside the
+store (in the local launcher, or in ``noloco coordinator``), reads every heartbeat each
+interval and notes on its *own* monotonic clock when each counter last moved; a replica is
+alive while every stage's counter moved within ``--peer-timeout`` of the monitor's clock and
+none of its stages announced that it finished. The monitor publishes the live set under one
+key, so a replica learns who is alive with one read instead of scanning N heartbeats. Machines
+whose wall clocks disagree by any amount — or jump — judge each other the same way.
+
+Each worker beats from a thread with its own store connection (a training thread blocked in
+a store wait cannot hold the heartbeat up), and a failed beat is retried with backoff, never
+the end of the heartbeat.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
-from noloco.elastic.keys import done_key, heartbeat_key, join_key
+from noloco.elastic.keys import done_key, heartbeat_key, join_key, live_key, settings_key
+
+
+def own_client(store: Any) -> Any:
+    """A second connection to the same TCPStore (the store itself when it is of another
+    kind or cannot be reached again)."""
+    import torch.distributed as dist
+
+    if not isinstance(store, dist.TCPStore):
+        return store
+    try:
+        return dist.TCPStore(store.host, store.port, None, False, timedelta(seconds=30))
+    except Exception:  # noqa: BLE001 - share the caller's connection rather than fail
+        return store
 
 
 class Membership:
@@ -29,8 +58,17 @@ class Membership:
         """training (a joining replica is not, until it has its state)"""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.beats = 0
+        """heartbeats written so far: the counter the monitor watches move"""
+        self.beat_failures = 0
+        self._beat_store = store
+        self._beat_lock = threading.Lock()
 
     def start(self) -> Membership:
+        self._beat_store = own_client(self.store)
+        self.store.compare_set(settings_key(), "", json.dumps(
+            {"replicas": self.replicas, "stages": self.stages,
+             "peer_timeout": self.peer_timeout}))
         self.beat()
         self._thread = threading.Thread(target=self._loop, name="noloco-membership",
                                         daemon=True)
@@ -38,19 +76,28 @@ class Membership:
         return self
 
     def beat(self) -> None:
-        self.store.set(heartbeat_key(self.replica, self.stage), json.dumps(
-            {"t": time.time(), "step": self.step, "incarnation": self.incarnation,
-             "ready": self.ready}))
+        with self._beat_lock:
+            self.beats += 1
+            self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
+                {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
+                 "ready": self.ready}))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
+        wait = self.interval
+        while not self._stop.wait(wait):
             try:
                 self.beat()
                 # Read here, off the training loop: a store round trip per inner step would
                 # cost a network latency per step across machines.
-                self.join_requests = int(self.store.add(join_key(self.replica), 0))
-            except Exception:  # noqa: BLE001 - the store may be gone with the run
-                return
+                self.join_requests = int(self._beat_store.add(join_key(self.replica), 0))
+                wait = self.interval
+            except Exception as e:  # noqa: BLE001 - the store unreachable for a while
+                self.beat_failures += 1
+                if self.beat_failures == 1:
+                    print(f"noloco: replica {self.replica}: a heartbeat failed "
+                          f"({str(e).splitlines()[0][:120]}); retrying", file=sys.stderr,
+                          flush=True)
+                wait = min(2 * wait, self.peer_timeout)  # back off, never give up
 
     def finish(self) -> None:
         """Announce that this replica finished: nobody waits for it any more."""
@@ -65,27 +112,94 @@ class Membership:
 
     def alive(self) -> list[int]:
         """The replicas alive now (this one always)."""
-        others = live_replicas(self.store, self.replicas, self.stages, self.peer_timeout)
+        others = live_replicas(self.store, self.replicas, self.stages)
         return sorted({*others, self.replica})
 
     def donors(self) -> list[int]:
         """Live replicas that train (not themselves joining), the furthest along first: the
         ones a joining or healing replica may take its state from."""
-        live = live_replicas(self.store, self.replicas, self.stages, self.peer_timeout)
+        live = live_replicas(self.store, self.replicas, self.stages)
         ready = [(b["step"], r) for r, b in live.items() if r != self.replica and b["ready"]]
         return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
 
 
-def live_replicas(store: Any, replicas: int, stages: int, peer_timeout: float
-                  ) -> dict[int, dict[str, Any]]:
-    """Replica → its stage 0's newest heartbeat, for every replica whose stages all beat
-    within ``peer_timeout`` and none of which has finished."""
-    now, out = time.time(), {}
+def live_replicas(store: Any, replicas: int, stages: int) -> dict[int, dict[str, Any]]:
+    """Replica → its stage 0's newest heartbeat, for every replica alive: the monitor's
+    published set (one read). Before the monitor's first publication: every replica whose
+    stages have all beaten and none finished."""
+    if store.check([live_key()]):
+        return {int(r): b for r, b in json.loads(store.get(live_key())).items()}
+    return scan(store, replicas, stages)
+
+
+def scan(store: Any, replicas: int, stages: int) -> dict[int, dict[str, Any]]:
+    """Every replica with a heartbeat of each stage and no stage finished: its stage 0's beat
+    (no judgement of age: that is the monitor's)."""
+    out = {}
     for r in range(replicas):
         keys = [heartbeat_key(r, s) for s in range(stages)]
         if not store.check(keys) or any(store.check([done_key(r, s)]) for s in range(stages)):
             continue
         beats = [json.loads(store.get(k)) for k in keys]
-        if all(now - b["t"] <= peer_timeout for b in beats):
-            out[r] = {"ready": False, **beats[0]}
+        out[r] = {"ready": False, **beats[0], "beats": [b["n"] for b in beats],
+                  "incarnations": [b["incarnation"] for b in beats]}
     return out
+
+
+class Monitor:
+    """Judges every heartbeat on this process's monotonic clock and publishes the live set
+    (module docstring). Runs beside the store, in a thread with its own connection; learns the
+    run's size and timeout from the settings the first replica writes."""
+
+    def __init__(self, store: Any, clock: Any = time.monotonic) -> None:
+        self.store, self.clock = store, clock
+        self.moved: dict[tuple[int, int], tuple[tuple[int, int], float]] = {}
+        """(replica, stage) → ((incarnation, counter) last seen, when it last changed)"""
+        self.settings: dict[str, Any] | None = None
+        self.published = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Monitor:
+        self.store = own_client(self.store)
+        self._thread = threading.Thread(target=self._loop, name="noloco-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        wait = 0.05
+        while not self._stop.wait(wait):
+            try:
+                if self.settings is None:
+                    if not self.store.check([settings_key()]):
+                        continue
+                    self.settings = json.loads(self.store.get(settings_key()))
+                self.publish()
+                wait = min(1.0, self.settings["peer_timeout"] / 5)
+            except Exception:  # noqa: BLE001 - the store is going away; try again
+                wait = 0.5
+
+    def judge(self) -> dict[int, dict[str, Any]]:
+        """The replicas alive now, on this monitor's clock."""
+        st = self.settings
+        assert st is not None
+        now, out = self.clock(), {}
+        for r, beat in scan(self.store, st["replicas"], st["stages"]).items():
+            fresh = True
+            for s, mark in enumerate(zip(beat.pop("incarnations"), beat.pop("beats"),
+                                         strict=True)):
+                seen = self.moved.get((r, s))
+                if seen is None or seen[0] != mark:
+                    self.moved[(r, s)] = (mark, now)
+                elif now - seen[1] > st["peer_timeout"]:
+                    fresh = False
+            if fresh:
+                out[r] = beat
+        return out
+
+    def publish(self) -> None:
+        self.store.set(live_key(), json.dumps(self.judge()))
+        self.published += 1

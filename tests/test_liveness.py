@@ -1,0 +1,166 @@
+"""Liveness without wall clocks: heartbeats are counters judged on the monitor's own clock; a
+heartbeat has its own connection and survives failures; machines whose clocks disagree by
+minutes still exchange at every outer step."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from run_utils import SMALL
+
+from noloco.elastic.keys import heartbeat_key, live_key
+from noloco.elastic.membership import Membership, Monitor, live_replicas
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", free_port(), None, True, timedelta(seconds=20),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=20))
+    yield client
+    del client, server
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.timeout(60)
+def test_the_monitor_judges_counters_on_its_own_clock(store):
+    members = [Membership(store, r, 3, peer_timeout=2.0) for r in range(3)]
+    for m in members:
+        m.start()
+    beat = json.loads(store.get(heartbeat_key(0)))
+    assert "t" not in beat and beat["n"] >= 1  # no time is ever written
+    clock = Clock()
+    mon = Monitor(store, clock)
+    mon.settings = json.loads(store.get("noloco/elastic/settings"))
+    assert sorted(mon.judge()) == [0, 1, 2]  # first sight: alive
+    members[2].stop()  # replica 2 freezes: its counter stops
+    time.sleep(0.6)  # the others beat (interval 0.4 s)
+    clock.t += 1.0
+    assert sorted(mon.judge()) == [0, 1, 2]  # within the timeout of the monitor's clock
+    time.sleep(0.6)
+    clock.t += 1.5  # 2.5 s of the monitor's time since 2's counter last moved
+    assert sorted(mon.judge()) == [0, 1]
+    # wall clocks play no part: the monitor's clock alone moved; a replica whose counter
+    # moves again is alive again
+    members[2]._stop.clear()
+    members[2].beat()
+    assert sorted(mon.judge()) == [0, 1, 2]
+    mon.publish()
+    assert sorted(live_replicas(store, 3, 1)) == [0, 1, 2]
+    assert sorted(json.loads(store.get(live_key()))) == ["0", "1", "2"]
+    for m in members:
+        m.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_beats_while_the_training_thread_blocks_in_the_store(store):
+    m = Membership(store, 0, 1, peer_timeout=1.0).start()
+    before = m.beats
+    # The training thread waits in the store for a key nobody writes (a peer that died):
+    # on a shared connection this would hold the heartbeat up for the whole wait.
+    blocked = threading.Thread(target=lambda: pytest.raises(
+        dist.DistStoreError, store.wait, ["never"], timedelta(seconds=2.5)), daemon=True)
+    blocked.start()
+    time.sleep(2.0)
+    assert blocked.is_alive()  # still blocked
+    assert m.beats >= before + 5  # interval 0.2 s: it kept beating meanwhile
+    blocked.join()
+    m.stop()
+
+
+class Flaky:
+    """A store whose writes fail for a while."""
+
+    def __init__(self, store, failures: int) -> None:
+        self.store, self.failures = store, failures
+
+    def set(self, key, value):
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("Connection reset by peer")
+        return self.store.set(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_heartbeat_backs_off_and_beats_again(store, capfd):
+    m = Membership(store, 0, 1, peer_timeout=1.0).start()
+    m._beat_store = Flaky(store, failures=3)
+    time.sleep(3.0)  # backoff 0.4, 0.8, 1.0 s, then beating again
+    n = json.loads(store.get(heartbeat_key(0)))["n"]
+    time.sleep(0.5)
+    assert json.loads(store.get(heartbeat_key(0)))["n"] > n  # the heartbeat lives on
+    assert m.beat_failures == 3
+    err = capfd.readouterr().err
+    assert err.count("a heartbeat failed") == 1 and "retrying" in err  # one line, not three
+    m.stop()
+
+
+FAKETIME = shutil.which("faketime")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(FAKETIME is None, reason="Debian's faketime is not installed")
+def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path, shakespeare):
+    """Two "machines" (launchers with --replica-ids) at a coordinator on loopback, one 120 s
+    ahead and one 120 s behind (libfaketime fakes both its clocks): every replica sends as
+    many bytes as in the run of one machine with a true clock — no exchange is skipped."""
+    common = ["--data", str(shakespeare), *SMALL, "--method", "noloco", "--replicas", "4",
+              "--steps", "40", "--sync-every", "10", "--eval-every", "20", "--elastic",
+              "--peer-timeout", "3", "--threads", "1"]
+    ref = subprocess.run([sys.executable, "-m", "noloco", "train", *common,
+                          "--out", str(tmp_path / "ref")], capture_output=True, text=True,
+                         timeout=200)
+    assert ref.returncode == 0, ref.stderr
+    port = free_port()
+    coord = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host",
+                              "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert "listening on" in coord.stdout.readline()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        procs = [subprocess.Popen(
+            [FAKETIME, "-f", skew, sys.executable, "-m", "noloco", "train", *common,
+             "--coordinator", f"127.0.0.1:{port}", "--replica-ids", ids,
+             "--out", str(tmp_path / name)], env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+            for skew, ids, name in (("+120s", "0-1", "ahead"), ("-120s", "2-3", "behind"))]
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        coord.terminate()
+        coord.wait(timeout=10)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    want = json.loads((tmp_path / "ref" / "summary.json").read_text())["bytes_sent_per_replica"]
+    got = {}
+    for name in ("ahead", "behind"):
+        s = json.loads((Path(tmp_path) / name / "summary.json").read_text())
+        got.update(s["bytes_sent_per_replica"])
+        assert not any(s["events"].values()), s["events"]  # nobody missed, nobody was late
+    assert got == want and min(got.values()) > 0
