@@ -121,3 +121,41 @@ def test_coordinator_and_replica_ids_need_elastic(tmp_path, shakespeare):
             "noloco", "--elastic", "--coordinator", "nohost", "--out", str(tmp_path / "r"),
             timeout=60)
     assert r.returncode == 2 and "--coordinator must be HOST:PORT" in r.stderr
+
+
+@pytest.mark.timeout(400)
+def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
+    """Two machines on 5 Mbit/s links: one NoLoCo exchange (~3.7 MB each way) takes ~3 ×
+    --peer-timeout, a join's state transfer (~11 MB) ~9 ×. Arrival is awaited --peer-timeout;
+    the transfer itself gets --comm-timeout: every exchange completes and the replica killed
+    mid-run is respawned and joins over the slow link."""
+    port = 29473
+    timeout = 2.0
+    with netns.Namespaces([5e6, 5e6], prefix="nlce", subnet="10.79.2.0/24") as ns:
+        host, env, coord = start_coordinator(ns, port)
+        procs = []
+        for machine in (0, 1):
+            argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+                    "--method", "noloco", "--replicas", "2", "--steps", "60",
+                    "--sync-every", "10", "--eval-every", "30", "--elastic",
+                    "--peer-timeout", str(timeout), "--coordinator", f"{host}:{port}",
+                    "--replica-ids", str(machine), "--inject-fault", "kill:1@25",
+                    "--respawn", "1", "--out", str(tmp_path / f"machine{machine}")]
+            procs.append(ns.popen(machine, argv, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+        outs = [p.communicate(timeout=360) for p in procs]
+        coord.terminate()
+        coord.wait(timeout=10)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    s0 = json.loads((tmp_path / "machine0" / "summary.json").read_text())
+    s1 = json.loads((tmp_path / "machine1" / "summary.json").read_text())
+    assert s0["replicas_finished"] == [0] and s1["replicas_finished"] == [1]
+    joined = [j for j in s1["joins"] if j.get("kind") == "joined"]
+    assert joined and joined[0]["seconds"] > 3 * timeout, s1["joins"]  # slower than before's limit
+    # no exchange broke: the only events are the dead replica's absence
+    lost = [e for ev in {**s0["events"], **s1["events"]}.values() for e in ev
+            if e["kind"] == "lost"]
+    assert lost == [], lost
+    assert s0["longest_wait_seconds"]["0"] > timeout  # an exchange outlasted the peer timeout
+    assert s0["bytes_sent_per_replica"]["0"] > 3 * 3.5e6  # several exchanges went through

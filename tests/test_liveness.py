@@ -164,3 +164,49 @@ def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path,
         got.update(s["bytes_sent_per_replica"])
         assert not any(s["events"].values()), s["events"]  # nobody missed, nobody was late
     assert got == want and min(got.values()) > 0
+
+
+@pytest.mark.timeout(300)
+def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, shakespeare):
+    """One process per replica id: a second launcher with --replica-ids 1 while the first
+    (0-1) runs takes replica 1 over; the first one's replica 1 stops in one line and is not
+    restarted, the newer one joins from replica 0 and finishes."""
+    port = free_port()
+    coord = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host",
+                              "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
+                             text=True)
+    common = ["--data", str(shakespeare), *SMALL, "--method", "noloco", "--replicas", "2",
+              "--steps", "300", "--sync-every", "10", "--eval-every", "20", "--elastic",
+              "--peer-timeout", "3", "--threads", "1", "--coordinator", f"127.0.0.1:{port}",
+              "--respawn", "2"]
+    try:
+        assert "listening on" in coord.stdout.readline()
+
+        def launcher(ids: str, out: str) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "noloco", "train", *common,
+                                     "--replica-ids", ids, "--out", str(tmp_path / out)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        first = launcher("0-1", "first")
+        metrics = tmp_path / "first" / "metrics" / "replica-1.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and first.poll() is None
+            time.sleep(0.2)
+        second = launcher("1", "second")
+        out2, err2 = second.communicate(timeout=240)
+        out1, err1 = first.communicate(timeout=240)
+    finally:
+        coord.terminate()
+        coord.wait(timeout=10)
+    assert first.returncode == 0, err1
+    assert second.returncode == 0, err2
+    took = [x for x in err1.splitlines() if "took this replica over" in x]
+    assert len(took) <= 1 and "Traceback" not in err1
+    assert "replica 1 was taken over by a newer process" in err1
+    assert "starting replica 1 again" not in err1  # not restarted: no ping-pong
+    s1 = json.loads((tmp_path / "first" / "summary.json").read_text())
+    s2 = json.loads((tmp_path / "second" / "summary.json").read_text())
+    assert s1["replicas_finished"] == [0] and s2["replicas_finished"] == [1]
+    assert [(f["replica"], f["kind"]) for f in s1["failures"]] == [(1, "superseded")]
+    assert "replica 1 joined at step" in err2

@@ -119,8 +119,9 @@ class MethodConfig:
         "--peer-timeout and the others train on (noloco, diloco, streaming; stages: noloco "
         "with --routing fixed; docs/elastic.md)")
     peer_timeout: float = opt(
-        10.0, "elastic: seconds a replica waits for a group member before going on without it, "
-        "and silence after which a replica is dropped from the membership")
+        10.0, "elastic: seconds a replica waits for a group member to arrive before going on "
+        "without it, and silence after which a replica is dropped from the membership (the "
+        "transfer itself, once everyone arrived, gets --comm-timeout)")
 
 
 def default_out() -> str:

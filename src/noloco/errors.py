@@ -6,3 +6,19 @@ from __future__ import annotations
 
 class ConfigError(ValueError):
     """An impossible or malformed configuration (reported as one line, exit code 2)."""
+
+
+SUPERSEDED_EXIT = 3
+"""the exit code of an elastic worker whose replica a newer process took over"""
+
+
+class Superseded(RuntimeError):
+    """An elastic replica's id is owned by a newer process (a second launcher with the same
+    ``--replica-ids``, or a machine's command run again while the old one still runs): this
+    older one stops, in one line, without writing anything more."""
+
+    def __init__(self, replica: int, stage: int, mine: int, owner: int) -> None:
+        super().__init__(f"replica {replica}" + (f" stage {stage}" if stage else "")
+                         + f": a newer process (start {owner + 1}) took this replica over; "
+                         f"this one (start {mine + 1}) stops")
+        self.replica = replica

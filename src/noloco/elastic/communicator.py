@@ -33,12 +33,17 @@ class ElasticCommunicator(Communicator):
     """The method's communicator in an elastic run: every operation among the members of its
     snapshot that arrive in time (module docstring). Ranks are replica numbers."""
 
-    def __init__(self, membership: Membership, peer_timeout: float) -> None:
+    def __init__(self, membership: Membership, peer_timeout: float,
+                 comm_timeout: float | None = None) -> None:
         super().__init__()
         self.m, self.store = membership, membership.store
         self.rank, self.size = membership.replica, membership.replicas
         self.ranks = list(range(self.size))
         self.peer_timeout = peer_timeout
+        """how long a member's arrival is awaited"""
+        self.transfer_timeout = max(peer_timeout, comm_timeout or peer_timeout)
+        """how long the transfer itself may take once the members agreed (``--comm-timeout``):
+        a slow link must not make every exchange fail"""
         self.calls = 0
         """operations issued so far: the same sequence on every replica, so call c names the
         same outer step (or fragment sync) everywhere"""
@@ -102,9 +107,11 @@ class ElasticCommunicator(Communicator):
         return final, tag
 
     def _group(self, tag: str, final: list[int]) -> Any:
+        # Everyone in ``final`` has arrived: what remains is connecting and moving the bytes,
+        # which take as long as the link needs (the arrival deadline was peer_timeout).
         return dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.store),
                                      final.index(self.rank), len(final),
-                                     timedelta(seconds=self.peer_timeout))
+                                     timedelta(seconds=self.transfer_timeout))
 
     # ---- operations ----------------------------------------------------------------------------
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],

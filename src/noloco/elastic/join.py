@@ -27,6 +27,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError
 from noloco.config import ConfigError
 from noloco.elastic.keys import PREFIX, join_key
+from noloco.errors import Superseded
 from noloco.train import weights_checksum
 
 
@@ -59,6 +60,9 @@ class Joining:
                 "step": self.state.step, "donor": self.lay.replica}
 
     def between_steps(self) -> None:
+        m = self.membership
+        if m.owner is not None:  # fenced: a newer process owns this replica's id
+            raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
         if self.comm.behind:
             self.heal()
         if self.lay.stages > 1:
@@ -145,12 +149,19 @@ class Joining:
             flat.extend(t if isinstance(t, list | tuple) else [t])
         return weights_checksum(self.params + flat)
 
+    def _transfer_timeout(self) -> float:
+        """A state transfer moves the whole model: it gets ``--comm-timeout`` (a slow link
+        must not make every join fail), and at least the 3 × ``--peer-timeout`` a joiner
+        allows the donor to reach its next step boundary."""
+        m = self.cfg.method
+        return max(3 * m.peer_timeout, m.comm_timeout)
+
     def _send_state(self, tag: str) -> int:
         buf = io.BytesIO()
         torch.save(self.live_state(), buf)
         blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
         pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 0, 2,
-                                   timedelta(seconds=self.cfg.method.peer_timeout))
+                                   timedelta(seconds=self._transfer_timeout()))
         pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
         pg.send([blob], 1, 1).wait()
         return blob.numel() + 8
@@ -250,7 +261,7 @@ class Joining:
     def _receive_state(self, tag: str) -> tuple[dict[str, Any], int]:
         """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
         pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 1, 2,
-                                   timedelta(seconds=self.cfg.method.peer_timeout * 3))
+                                   timedelta(seconds=self._transfer_timeout()))
         size = torch.zeros(1, dtype=torch.int64)
         pg.recv([size], 0, 0).wait()
         blob = torch.empty(int(size.item()), dtype=torch.uint8)

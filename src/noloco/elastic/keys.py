@@ -18,6 +18,11 @@ def join_key(donor: int) -> str:
     return f"{PREFIX}/join/{donor}"
 
 
+def owner_key(replica: int, stage: int = 0) -> str:
+    """The incarnation that owns this replica's stage: the newest start (never lowered)."""
+    return f"{PREFIX}/owner/{replica}/{stage}"
+
+
 def live_key() -> str:
     """The live set, published by the store host's :class:`~noloco.elastic.membership.Monitor`
     (JSON: replica → its stage 0's newest heartbeat, for every replica judged alive)."""

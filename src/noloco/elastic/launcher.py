@@ -25,6 +25,7 @@ from noloco.config import local_replicas, parse_address
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import Monitor, live_replicas
 from noloco.elastic.worker import combine
+from noloco.errors import SUPERSEDED_EXIT
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir
 
@@ -86,6 +87,21 @@ class ElasticSupervisor(Supervisor):
                     failed = [c for c in codes if c not in (None, 0)]
                     if not failed:
                         continue
+                    if SUPERSEDED_EXIT in failed:  # a newer process owns the id: not ours now
+                        for p in stages:
+                            if p.poll() is None:
+                                with contextlib.suppress(ProcessLookupError):
+                                    p.kill()
+                                p.wait()
+                        self.failures.append({"replica": r, "step": self._step(r),
+                                              "kind": "superseded",
+                                              "incarnation": self.incarnation[r],
+                                              "t": time.time()})
+                        print(f"noloco: replica {r} was taken over by a newer process with "
+                              f"the same id; not restarting it here", file=sys.stderr,
+                              flush=True)
+                        dead.add(r)
+                        continue
                     # A replica fails as a whole: its other stages cannot train without this
                     # one (they would wait for it until the timeout).
                     for p in stages:
@@ -117,6 +133,10 @@ class ElasticSupervisor(Supervisor):
                 signal.signal(s, h)
         summary = combine(self.cfg, self.out, self.failures, self.joins, time.time() - t0)
         if not finished:
+            if all(f["kind"] == "superseded" for f in self.failures):
+                print("noloco: every replica here was taken over by newer processes",
+                      file=sys.stderr, flush=True)
+                return 0
             print("noloco: error: every replica failed", file=sys.stderr, flush=True)
             return 1
         per = summary["final_val_loss_per_replica"]

@@ -24,7 +24,14 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from noloco.elastic.keys import done_key, heartbeat_key, join_key, live_key, settings_key
+from noloco.elastic.keys import (
+    done_key,
+    heartbeat_key,
+    join_key,
+    live_key,
+    owner_key,
+    settings_key,
+)
 
 
 def own_client(store: Any) -> Any:
@@ -63,8 +70,22 @@ class Membership:
         self.beat_failures = 0
         self._beat_store = store
         self._beat_lock = threading.Lock()
+        self.owner: int | None = None
+        """a newer incarnation that took this replica over (then this one writes nothing more
+        and stops at its next step)"""
+
+    def claim(self) -> None:
+        """Own this replica's id: raise the owner key to this incarnation (compare-and-set,
+        never lowered, so of two processes with one id the newer start owns it)."""
+        key, mine = owner_key(self.replica, self.stage), str(self.incarnation)
+        cur = self.store.compare_set(key, "", mine)
+        while int(cur) < self.incarnation:
+            cur = self.store.compare_set(key, cur, mine)
+        if int(cur) > self.incarnation:
+            self.owner = int(cur)
 
     def start(self) -> Membership:
+        self.claim()
         self._beat_store = own_client(self.store)
         self.store.compare_set(settings_key(), "", json.dumps(
             {"replicas": self.replicas, "stages": self.stages,
@@ -77,6 +98,8 @@ class Membership:
 
     def beat(self) -> None:
         with self._beat_lock:
+            if self.owner is not None:  # fenced: the newer owner's heartbeat is the replica's
+                return
             self.beats += 1
             self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
@@ -90,6 +113,10 @@ class Membership:
                 # Read here, off the training loop: a store round trip per inner step would
                 # cost a network latency per step across machines.
                 self.join_requests = int(self._beat_store.add(join_key(self.replica), 0))
+                owner = int(self._beat_store.get(owner_key(self.replica, self.stage)))
+                if owner > self.incarnation:
+                    self.owner = owner
+                    return  # no more beats: this process stops at its next step
                 wait = self.interval
             except Exception as e:  # noqa: BLE001 - the store unreachable for a while
                 self.beat_failures += 1

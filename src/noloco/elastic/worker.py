@@ -82,7 +82,8 @@ class ElasticTrainer(Joining, Trainer):
                       replica=0, stage=lay.stage, replicas=1, stages=lay.stages)
 
     def make_comms(self) -> tuple[Communicator, Communicator]:
-        return (ElasticCommunicator(self._membership, self.cfg.method.peer_timeout),
+        return (ElasticCommunicator(self._membership, self.cfg.method.peer_timeout,
+                                    self.cfg.method.comm_timeout),
                 NullCommunicator())
 
     # ---- evaluation: this replica only -----------------------------------------------------
