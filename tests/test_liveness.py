@@ -210,3 +210,49 @@ def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, sha
     assert s1["replicas_finished"] == [0] and s2["replicas_finished"] == [1]
     assert [(f["replica"], f["kind"]) for f in s1["failures"]] == [(1, "superseded")]
     assert "replica 1 joined at step" in err2
+
+
+@pytest.mark.timeout(60)
+def test_donors_are_never_behind_and_the_checksum_covers_the_outer_momentum(store):
+    import torch
+
+    from noloco.elastic.join import Joining, tensors_of
+
+    members = [Membership(store, r, 3, peer_timeout=5.0) for r in range(3)]
+    for m in members:
+        m.start()
+        m.ready = True
+    members[1].step, members[2].step = 50, 40
+    members[1].behind = True  # furthest along, but the quorum stepped without it
+    for m in members:
+        m.beat()
+    mon = Monitor(store)
+    mon.settings = json.loads(store.get("noloco/elastic/settings"))
+    mon.publish()
+    assert members[0].donors() == [2]
+    members[1].behind = False
+    members[1].beat()
+    mon.publish()
+    assert members[0].donors() == [1, 2]
+    for m in members:
+        m.stop()
+
+    # the checksum a join is verified with: model, slow weights and outer momentum
+    class Method:
+        def __init__(self) -> None:
+            self.sd = {"phi": [torch.ones(3)], "outer": [{"state": {0: {
+                "momentum_buffer": torch.zeros(3)}}, "param_groups": [{"lr": 0.7}]}]}
+
+        def state_dict(self):
+            return self.sd
+
+    class Replica(Joining):
+        def __init__(self) -> None:
+            self.params = [torch.ones(2)]
+            self.method = Method()
+
+    r = Replica()
+    before = r.checksum()
+    r.method.sd["outer"][0]["state"][0]["momentum_buffer"][1] = 1e-3
+    assert r.checksum() != before
+    assert [t.numel() for t in tensors_of({"b": [torch.zeros(2)], "a": torch.zeros(1)})] == [1, 2]

@@ -31,6 +31,18 @@ from noloco.errors import Superseded
 from noloco.train import weights_checksum
 
 
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a state (dicts by sorted key, lists in order): a fixed order on every
+    replica."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in tensors_of(obj[k])]
+    if isinstance(obj, list | tuple):
+        return [t for x in obj for t in tensors_of(x)]
+    return []
+
+
 class Joining:
     """The join and heal protocol of :class:`noloco.elastic.worker.ElasticTrainer` (a mixin:
     it uses the trainer's membership, layout, state, method and optimizers)."""
@@ -63,8 +75,10 @@ class Joining:
         m = self.membership
         if m.owner is not None:  # fenced: a newer process owns this replica's id
             raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
+        m.behind = self.comm.behind  # a behind replica is no donor (its heartbeat says so)
         if self.comm.behind:
             self.heal()
+            m.behind = self.comm.behind
         if self.lay.stages > 1:
             self._serve_staged()
             return
@@ -142,12 +156,10 @@ class Joining:
         return json.loads(store.get(tag))
 
     def checksum(self) -> int:
-        """Of the model and the slow weights (the transfer is checked bit for bit with it)."""
-        phi = getattr(self.method, "slow", None)
-        flat: list[torch.Tensor] = []
-        for t in phi if phi is not None else []:  # per parameter, or per fragment (Streaming)
-            flat.extend(t if isinstance(t, list | tuple) else [t])
-        return weights_checksum(self.params + flat)
+        """Of the model and every tensor of the method's state — slow weights, outer
+        momentum, syncs in flight — in a fixed order (the transfer is checked bit for bit
+        with it: donor after sending, joiner after adopting)."""
+        return weights_checksum(self.params + tensors_of(self.method.state_dict()))
 
     def _transfer_timeout(self) -> float:
         """A state transfer moves the whole model: it gets ``--comm-timeout`` (a slow link
@@ -189,6 +201,8 @@ class Joining:
             return self._join_staged(own)
         store = self.membership.store
         deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        failed: list[int] = []
+        """donors that failed this join, in order: the next try asks another one"""
         while time.monotonic() < deadline and (tries is None or tries > 0):
             donors = self.membership.donors()
             if not donors:
@@ -196,7 +210,8 @@ class Joining:
                 continue
             if tries is not None:
                 tries -= 1
-            donor = donors[0]
+            fresh = [d for d in donors if d not in failed]
+            donor = fresh[0] if fresh else min(donors, key=failed.index)  # else the longest ago
             n = store.add(join_key(donor), 1)
             tag = f"{join_key(donor)}/{n}"
             store.set(tag, json.dumps({"replica": self.lay.replica}))
@@ -204,6 +219,9 @@ class Joining:
             try:
                 state, nbytes = self._receive_state(tag)
             except RuntimeError:  # the donor died or is stuck: ask another
+                if donor in failed:
+                    failed.remove(donor)
+                failed.append(donor)
                 continue
             before = self.state.step
             self._adopt(state, own)

@@ -63,6 +63,8 @@ class Membership:
         """join requests made to this replica so far, as of the last heartbeat"""
         self.ready = False
         """training (a joining replica is not, until it has its state)"""
+        self.behind = False
+        """an all-reduce went on without this replica: it is no donor until it healed"""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats = 0
@@ -103,7 +105,7 @@ class Membership:
             self.beats += 1
             self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
-                 "ready": self.ready}))
+                 "ready": self.ready, "behind": self.behind}))
 
     def _loop(self) -> None:
         wait = self.interval
@@ -143,10 +145,12 @@ class Membership:
         return sorted({*others, self.replica})
 
     def donors(self) -> list[int]:
-        """Live replicas that train (not themselves joining), the furthest along first: the
-        ones a joining or healing replica may take its state from."""
+        """Live replicas that train (neither joining nor behind an all-reduce that went on
+        without them), the furthest along first: the ones a joining or healing replica may
+        take its state from."""
         live = live_replicas(self.store, self.replicas, self.stages)
-        ready = [(b["step"], r) for r, b in live.items() if r != self.replica and b["ready"]]
+        ready = [(b["step"], r) for r, b in live.items()
+                 if r != self.replica and b["ready"] and not b.get("behind")]
         return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
 
 
