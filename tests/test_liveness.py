@@ -256,3 +256,15 @@ def test_donors_are_never_behind_and_the_checksum_covers_the_outer_momentum(stor
     r.method.sd["outer"][0]["state"][0]["momentum_buffer"][1] = 1e-3
     assert r.checksum() != before
     assert [t.numel() for t in tensors_of({"b": [torch.zeros(2)], "a": torch.zeros(1)})] == [1, 2]
+
+
+def test_the_stages_of_a_replica_share_one_snapshot(store):
+    from noloco.elastic.communicator import ElasticCommunicator
+
+    stages = [Membership(store, 0, 3, 5.0, stage=s, stages=2) for s in (0, 1)]
+    views = {0: [0, 1, 2], 1: [0, 1]}  # stage 1 saw replica 2 go quiet a moment later
+    for m in stages:
+        m.alive = lambda s=m.stage: views[s]
+    c0, c1 = (ElasticCommunicator(m, 5.0) for m in stages)
+    assert c0.members() == [0, 1, 2]
+    assert c1.members() == [0, 1, 2]  # the first worker of any stage fixed it for all

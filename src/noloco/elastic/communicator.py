@@ -22,7 +22,7 @@ from noloco.comm import (
     quantized_messages,
     ring_all_reduce_bytes,
 )
-from noloco.elastic.keys import PREFIX
+from noloco.elastic.keys import PREFIX, snapshot_key
 from noloco.elastic.membership import Membership
 from noloco.methods.noloco import groups_of
 
@@ -68,9 +68,9 @@ class ElasticCommunicator(Communicator):
 
     # ---- who takes part ----------------------------------------------------------------------
     def members(self) -> list[int]:
-        """The snapshot of the next operation (fixed by the first replica to reach it)."""
-        key = f"{PREFIX}/snap/s{self.m.stage}/{self.calls}"
-        got = self.store.compare_set(key, "", json.dumps(self.m.alive()))
+        """The snapshot of the next operation (fixed by the first worker of any stage to reach
+        it: the stages of a replica share it)."""
+        got = self.store.compare_set(snapshot_key(self.calls), "", json.dumps(self.m.alive()))
         return json.loads(got)
 
     def _agree(self, call: int, group: Sequence[int], attempt: int) -> tuple[list[int], str]:

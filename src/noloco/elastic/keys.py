@@ -18,6 +18,12 @@ def join_key(donor: int) -> str:
     return f"{PREFIX}/join/{donor}"
 
 
+def snapshot_key(call: int) -> str:
+    """The members of operation ``call``, written once. One key for every stage: a replica's
+    stages take part together or not at all, with the same partners."""
+    return f"{PREFIX}/snap/{call}"
+
+
 def owner_key(replica: int, stage: int = 0) -> str:
     """The incarnation that owns this replica's stage: the newest start (never lowered)."""
     return f"{PREFIX}/owner/{replica}/{stage}"
