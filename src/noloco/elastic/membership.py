@@ -17,6 +17,7 @@ the end of the heartbeat.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -32,6 +33,13 @@ from noloco.elastic.keys import (
     owner_key,
     settings_key,
 )
+
+
+def _stop_thread(event: threading.Event, thread: threading.Thread | None,
+                 timeout: float) -> None:
+    event.set()
+    if thread is not None and thread is not threading.current_thread():
+        thread.join(timeout)
 
 
 def own_client(store: Any) -> Any:
@@ -130,14 +138,14 @@ class Membership:
 
     def finish(self) -> None:
         """Announce that this replica finished: nobody waits for it any more."""
-        self._stop.set()
-        try:
+        self.stop()
+        with contextlib.suppress(Exception):  # the store may be gone with the run
             self.store.set(done_key(self.replica, self.stage), "1")
-        except Exception:  # noqa: BLE001
-            pass
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop beating, and wait for a beat in flight: a store call still running on the
+        thread when the process exits aborts it (C++ ``terminate``)."""
+        _stop_thread(self._stop, self._thread, self.peer_timeout)
 
     def alive(self) -> list[int]:
         """The replicas alive now (this one always)."""
@@ -198,7 +206,7 @@ class Monitor:
         return self
 
     def stop(self) -> None:
-        self._stop.set()
+        _stop_thread(self._stop, self._thread, 5.0)
 
     def _loop(self) -> None:
         wait = 0.05
