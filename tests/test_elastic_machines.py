@@ -31,28 +31,34 @@ def start_coordinator(ns: netns.Namespaces, port: int
     return host, env, coord
 
 
+def run_machines(ns: netns.Namespaces, host: str, port: int, env: dict[str, str],
+                 coord: subprocess.Popen, out: Path, ids: tuple[str, ...], args: list[str],
+                 timeout: float) -> list[dict]:
+    """Machine i runs ``noloco train --elastic ARGS --replica-ids ids[i]`` at the coordinator
+    (stopped at the end); every launcher must exit 0. Their summaries."""
+    procs = [ns.popen(m, [sys.executable, "-m", "noloco", "train", *SMALL, "--method", "noloco",
+                          "--elastic", "--coordinator", f"{host}:{port}", "--replica-ids",
+                          machine_ids, *args, "--out", str(out / f"machine{m}")],
+                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for m, machine_ids in enumerate(ids)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    coord.terminate()
+    coord.wait(timeout=10)
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+    return [json.loads((out / f"machine{m}" / "summary.json").read_text())
+            for m in range(len(ids))]
+
+
 @pytest.mark.timeout(300)
 def test_two_machines_one_replica_killed_the_others_finish(tmp_path, shakespeare):
     port = 29471
     with netns.Namespaces([None, None], prefix="nlce", subnet="10.79.0.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
-        procs = []
-        for machine, ids in ((0, "0-1"), (1, "2-3")):
-            argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
-                    "--method", "noloco", "--replicas", "4", "--steps", "60",
-                    "--sync-every", "10", "--eval-every", "20", "--elastic",
-                    "--peer-timeout", "3", "--coordinator", f"{host}:{port}",
-                    "--replica-ids", ids, "--inject-fault", "kill:3@30",
-                    "--out", str(tmp_path / f"machine{machine}")]
-            procs.append(ns.popen(machine, argv, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=240) for p in procs]
-        coord.terminate()
-        coord.wait(timeout=10)
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
-    s0 = json.loads((tmp_path / "machine0" / "summary.json").read_text())
-    s1 = json.loads((tmp_path / "machine1" / "summary.json").read_text())
+        s0, s1 = run_machines(ns, host, port, env, coord, tmp_path, ("0-1", "2-3"), [
+            "--data", str(shakespeare), "--replicas", "4", "--steps", "60", "--sync-every",
+            "10", "--eval-every", "20", "--peer-timeout", "3", "--inject-fault", "kill:3@30"],
+            timeout=240)
     assert s0["replicas_finished"] == [0, 1] and s1["replicas_finished"] == [2]
     assert [(f["replica"], f["kind"]) for f in s1["failures"]] == [(3, "SIGKILL")]
     # The replicas exchanged across the machines: the bytes say so, and 2 and 3 were paired
@@ -133,23 +139,10 @@ def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
     timeout = 2.0
     with netns.Namespaces([5e6, 5e6], prefix="nlce", subnet="10.79.2.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
-        procs = []
-        for machine in (0, 1):
-            argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
-                    "--method", "noloco", "--replicas", "2", "--steps", "60",
-                    "--sync-every", "10", "--eval-every", "30", "--elastic",
-                    "--peer-timeout", str(timeout), "--coordinator", f"{host}:{port}",
-                    "--replica-ids", str(machine), "--inject-fault", "kill:1@25",
-                    "--respawn", "1", "--out", str(tmp_path / f"machine{machine}")]
-            procs.append(ns.popen(machine, argv, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
-        outs = [p.communicate(timeout=360) for p in procs]
-        coord.terminate()
-        coord.wait(timeout=10)
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err
-    s0 = json.loads((tmp_path / "machine0" / "summary.json").read_text())
-    s1 = json.loads((tmp_path / "machine1" / "summary.json").read_text())
+        s0, s1 = run_machines(ns, host, port, env, coord, tmp_path, ("0", "1"), [
+            "--data", str(shakespeare), "--replicas", "2", "--steps", "60", "--sync-every",
+            "10", "--eval-every", "30", "--peer-timeout", str(timeout), "--inject-fault",
+            "kill:1@25", "--respawn", "1"], timeout=360)
     assert s0["replicas_finished"] == [0] and s1["replicas_finished"] == [1]
     joined = [j for j in s1["joins"] if j.get("kind") == "joined"]
     assert joined and joined[0]["seconds"] > 3 * timeout, s1["joins"]  # slower than before's limit

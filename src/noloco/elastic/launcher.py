@@ -87,12 +87,14 @@ class ElasticSupervisor(Supervisor):
                     failed = [c for c in codes if c not in (None, 0)]
                     if not failed:
                         continue
+                    # A replica ends as a whole: its other stages cannot train without this
+                    # one (they would wait for it until the timeout).
+                    for p in stages:
+                        if p.poll() is None:
+                            with contextlib.suppress(ProcessLookupError):
+                                p.kill()
+                            p.wait()
                     if SUPERSEDED_EXIT in failed:  # a newer process owns the id: not ours now
-                        for p in stages:
-                            if p.poll() is None:
-                                with contextlib.suppress(ProcessLookupError):
-                                    p.kill()
-                                p.wait()
                         self.failures.append({"replica": r, "step": self._step(r),
                                               "kind": "superseded",
                                               "incarnation": self.incarnation[r],
@@ -102,13 +104,6 @@ class ElasticSupervisor(Supervisor):
                               flush=True)
                         dead.add(r)
                         continue
-                    # A replica fails as a whole: its other stages cannot train without this
-                    # one (they would wait for it until the timeout).
-                    for p in stages:
-                        if p.poll() is None:
-                            with contextlib.suppress(ProcessLookupError):
-                                p.kill()
-                            p.wait()
                     self._record_failure(r, min(failed))  # a signal (< 0) names the cause
                     # Someone to join from: a replica here, or one alive elsewhere.
                     others = [q for q in self.reps if q != r and q not in finished | dead] or [
