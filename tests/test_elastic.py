@@ -225,7 +225,7 @@ def test_impossible_elastic_settings_are_one_line(tmp_path, shakespeare, args, m
 def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, shakespeare, method):
     out = tmp_path / "run"
     r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", *method,
-            "--steps", "200", "--out", str(out), "--inject-fault", f"stall:2@40:{2 * TIMEOUT}")
+            "--steps", "200", "--out", str(out), "--inject-fault", f"stall:2@40:{TIMEOUT + 1.5}")
     assert r.returncode == 0, r.stderr
     s = summary(out)
     assert s["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []

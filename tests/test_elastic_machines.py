@@ -140,9 +140,11 @@ def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
     with netns.Namespaces([5e6, 5e6], prefix="nlce", subnet="10.79.2.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         s0, s1 = run_machines(ns, host, port, env, coord, tmp_path, ("0", "1"), [
-            "--data", str(shakespeare), "--replicas", "2", "--steps", "60", "--sync-every",
-            "10", "--eval-every", "30", "--peer-timeout", str(timeout), "--inject-fault",
-            "kill:1@25", "--respawn", "1"], timeout=360)
+            "--data", str(shakespeare), "--replicas", "2", "--steps", "80", "--sync-every",
+            "10", "--eval-every", "40", "--peer-timeout", str(timeout), "--inject-fault",
+            # steps of ~0.1 s: the joiner, which receives the tail of the state through
+            # the shaper ~1 s after its donor sent it, is a whole operation behind at most
+            "kill:1@25,slow:0:10,slow:1:10", "--respawn", "1"], timeout=360)
     assert s0["replicas_finished"] == [0] and s1["replicas_finished"] == [1]
     joined = [j for j in s1["joins"] if j.get("kind") == "joined"]
     assert joined and joined[0]["seconds"] > 3 * timeout, s1["joins"]  # slower than before's limit
@@ -152,3 +154,4 @@ def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
     assert lost == [], lost
     assert s0["longest_wait_seconds"]["0"] > timeout  # an exchange outlasted the peer timeout
     assert s0["bytes_sent_per_replica"]["0"] > 3 * 3.5e6  # several exchanges went through
+    assert s1["bytes_sent_per_replica"]["1"] > 3.5e6  # the joiner's too, after its join

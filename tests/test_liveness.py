@@ -264,7 +264,37 @@ def test_the_stages_of_a_replica_share_one_snapshot(store):
     stages = [Membership(store, 0, 3, 5.0, stage=s, stages=2) for s in (0, 1)]
     views = {0: [0, 1, 2], 1: [0, 1]}  # stage 1 saw replica 2 go quiet a moment later
     for m in stages:
-        m.alive = lambda s=m.stage: views[s]
+        m.eligible = lambda s=m.stage: views[s]
     c0, c1 = (ElasticCommunicator(m, 5.0) for m in stages)
     assert c0.members() == [0, 1, 2]
     assert c1.members() == [0, 1, 2]  # the first worker of any stage fixed it for all
+
+
+@pytest.mark.timeout(300)
+def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_path,
+                                                                             shakespeare):
+    """hang:2@40:12 stops replica 2's training loop for 4 x --peer-timeout while its heartbeat
+    goes on. Progress, not heartbeats, keeps a replica in: the partner that waited for it
+    marks it, later snapshots leave it out, so no partner is blocked more than twice the
+    timeout in the whole run; replica 2, far behind when it wakes, catches up by taking a
+    live replica's state and exchanges again."""
+    timeout = 3.0
+    out = tmp_path / "run"
+    r = subprocess.run(
+        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+         "--method", "noloco", "--replicas", "4", "--steps", "600", "--sync-every", "10",
+         "--eval-every", "200", "--elastic", "--peer-timeout", str(timeout), "--threads", "1",
+         "--inject-fault", f"hang:2@40:{4 * timeout}", "--out", str(out)],
+        capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr
+    assert "hangs after step 40" in r.stderr
+    s = json.loads((out / "summary.json").read_text())
+    assert s["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
+    # waiting for partners to arrive (moving the bytes of 60 exchanges is apart)
+    blocked = {k: v for k, v in s["arrival_seconds_per_replica"].items() if k != "2"}
+    assert max(blocked.values()) <= 2 * timeout, blocked
+    healed = [j for j in s["joins"] if j.get("kind") == "healed"]
+    assert healed and healed[0]["step"] > healed[0]["step_before"] + 40, s["joins"]
+    # after catching up it is a partner again: it sent more than before the hang
+    per_exchange = s["bytes_sent_per_replica"]["0"] / 60
+    assert s["bytes_sent_per_replica"]["2"] > 6 * per_exchange

@@ -14,6 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# c10d's C++ warnings (a store wait that timed out, a client's unresolvable hostname) are
+# noise to a user: our own one-line events say what happened. Set before torch loads, so
+# every command and every worker it starts inherits it; TORCH_CPP_LOG_LEVEL=INFO shows them.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
 from noloco.config import (
     RESUMABLE,
     Config,

@@ -173,7 +173,8 @@ class TrainConfig:
         "state from a running replica and rejoins")
     inject_fault: str = opt(
         "", "testing tool: faults to inject, comma-separated: kill:REPLICA@STEP (SIGKILL), "
-        "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), crash:REPLICA@STEP (an error), "
+        "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), hang:REPLICA@STEP[:SECONDS] (the "
+        "training loop stops, the heartbeat goes on), crash:REPLICA@STEP (an error), "
         "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
         "first attempt")
     device: str = opt("auto", "cpu, cuda or auto")

@@ -11,10 +11,13 @@ names a worker by its replica (and optionally its stage) and an inner step:
 - ``slow:R:FACTOR`` — every inner step of replica R takes FACTOR times as long (it sleeps the
   difference): a straggler.
 - ``crash:R@S`` — after inner step S the worker raises an error, as a bug would.
+- ``hang:R@S[:SECONDS]`` — after inner step S the training loop stops for SECONDS (default
+  60) while the process — its heartbeat thread included — runs on: a replica stuck in a
+  deadlock, a dead accelerator or a filesystem call, which looks alive to every heartbeat.
 
 ``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
-kill, stall and crash fire once per run: in the first attempt of a fresh run, never again after a
-restart or a resume (which would otherwise replay them forever).
+kill, stall, hang and crash fire once per run: in the first attempt of a fresh run, never
+again after a restart or a resume (which would otherwise replay them forever).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from dataclasses import dataclass
 
 from noloco.errors import ConfigError
 
-KINDS = ("kill", "stall", "slow", "crash")
+KINDS = ("kill", "stall", "hang", "slow", "crash")
+HANG_SECONDS = 60.0
+"""how long ``hang:R@S`` stops the training loop when it names no time"""
 
 
 @dataclass(frozen=True)
@@ -57,21 +62,24 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                 fault = Fault("slow", replica, stage, factor=float(factor))
                 if not fault.factor >= 1.0:
                     raise ValueError
-            elif kind in ("kill", "stall", "crash"):
+            elif kind in ("kill", "stall", "hang", "crash"):
                 who, _, when = rest.partition("@")
                 parts = when.split(":")
-                if len(parts) != (2 if kind == "stall" else 1):
+                if not (len(parts) == 2 if kind == "stall" else
+                        len(parts) in (1, 2) if kind == "hang" else len(parts) == 1):
                     raise ValueError
                 replica, stage = _who(who, default_stage=0)
-                fault = Fault(kind, replica, stage, step=int(parts[0]),
-                              seconds=float(parts[1]) if kind == "stall" else 0.0)
+                seconds = float(parts[1]) if len(parts) == 2 else (
+                    HANG_SECONDS if kind == "hang" else 0.0)
+                fault = Fault(kind, replica, stage, step=int(parts[0]), seconds=seconds)
                 if fault.step < 1 or fault.seconds < 0:
                     raise ValueError
             else:
                 raise ValueError
         except ValueError:
             raise ConfigError(f"bad --inject-fault {item!r} (expected kill:REPLICA@STEP, "
-                              f"stall:REPLICA@STEP:SECONDS, crash:REPLICA@STEP or "
+                              f"stall:REPLICA@STEP:SECONDS, hang:REPLICA@STEP[:SECONDS], "
+                              f"crash:REPLICA@STEP or "
                               f"slow:REPLICA:FACTOR>=1)") from None
         if not 0 <= fault.replica < replicas or (
                 fault.stage is not None and not 0 <= fault.stage < stages):
@@ -118,6 +126,11 @@ class FaultInjector:
             os.kill(pid, signal.SIGKILL)
         elif fault.kind == "crash":
             raise InjectedCrash(f"injected crash of {who} after step {step}")
+        elif fault.kind == "hang":
+            print(f"noloco: injected fault: the training loop of {who} hangs after step "
+                  f"{step} for {fault.seconds:g} s (its heartbeat goes on)", file=sys.stderr,
+                  flush=True)
+            time.sleep(fault.seconds)
         else:
             print(f"noloco: injected fault: SIGSTOP to {who} after step {step} for "
                   f"{fault.seconds:g} s", file=sys.stderr, flush=True)

@@ -23,24 +23,33 @@ Membership
 Snapshots: who takes part in operation c
     Every replica issues the same sequence of operations (one per outer step or fragment
     sync: the schedule is a function of the step alone), numbered c = 0, 1, ... The first
-    replica to reach operation c writes the list of replicas alive at that moment under the
-    store key of c with compare-and-set; every later replica reads that value back. Invariant:
-    the key is written once and never changed (compare-and-set on the store's server is
-    atomic), so every replica that reaches c sees the same list, draws the same groups from
-    it (a deterministic function of the list, the seed and c) and so the same partner — two
-    replicas can never disagree on who their partner is. No barrier is needed: nobody waits
-    for the snapshot, the first one fixes it.
+    replica to reach operation c claims it and writes the list of *eligible* replicas — alive,
+    training (not joining, not behind), not marked for a missed arrival — under the store key
+    of c with compare-and-set; every later replica reads that value back. Invariant: the key
+    is written once and never changed (compare-and-set on the store's server is atomic), so
+    every replica that reaches c sees the same list, draws the same groups from it (a
+    deterministic function of the list, the seed and c) and so the same partner — two
+    replicas can never disagree on who their partner is.
 
 Arrival: who actually comes
-    A member of a group announces itself under the group's key for c and waits, at most
-    ``--peer-timeout``, for the others. Whoever first sees everyone (or runs out of time)
-    fixes the set of arrived members with compare-and-set; everyone reads that same set.
-    A replica that arrives after the set was fixed without it goes on alone (its weights
-    unchanged by the exchange). The members of the set build a gloo process group on a store
-    prefix named after c, the group and the attempt — exactly those members, no call on any
-    other process — and exchange. A member that dies during the exchange breaks the
-    connection (kill) or lets it time out (stall): NoLoCo averages with the members whose data
-    arrived; an all-reduce (DiLoCo) discards the step and retries among the survivors.
+    A member of a group appends itself to the group's arrival list for c and counts itself
+    in; the one completing the count fixes the set, the others wait (the store's blocking
+    wait) at most ``--peer-timeout`` and then fix the set of whoever arrived, with
+    compare-and-set: everyone reads that same set. Whoever fixes a set without a member marks
+    it as missed: it is left out of new snapshots until it arrives again (caught up first by
+    taking a live state if it is further behind than a partner would wait). A replica that
+    arrives after the set was fixed without it goes on alone (its weights unchanged by the
+    exchange). The members of the set build a gloo process group on a store prefix named
+    after c, the group and the attempt — exactly those members, no call on any other
+    process — and exchange; the transfer gets ``--comm-timeout``. A member that dies during
+    the exchange breaks the connection (kill) or lets it time out (stall): NoLoCo averages
+    with the members whose data arrived; an all-reduce (DiLoCo) discards the step and retries
+    among the survivors.
+
+Store work
+    O(1) round trips per replica per operation, whatever the number of replicas; every key
+    of an operation has an owner that deletes it a few operations later, so the store holds
+    a bounded number of keys whatever the run's length.
 
 With nobody failing every snapshot holds all replicas, every set is the whole group, and the
 values exchanged and summed are the static path's: elastic NoLoCo is bit-identical to static
@@ -48,8 +57,8 @@ NoLoCo (a test checks).
 """
 
 from noloco.elastic.communicator import ElasticCommunicator, groups_of
-from noloco.elastic.keys import PREFIX, done_key, heartbeat_key, join_key
+from noloco.elastic.keys import PREFIX, heartbeat_key, join_key
 from noloco.elastic.membership import Membership, Monitor, live_replicas
 
-__all__ = ["PREFIX", "ElasticCommunicator", "Membership", "Monitor", "done_key", "groups_of",
+__all__ = ["PREFIX", "ElasticCommunicator", "Membership", "Monitor", "groups_of",
            "heartbeat_key", "join_key", "live_replicas"]

@@ -22,11 +22,17 @@ from noloco.comm import (
     quantized_messages,
     ring_all_reduce_bytes,
 )
-from noloco.elastic.keys import PREFIX, snapshot_key
-from noloco.elastic.membership import Membership
+from noloco.elastic.keys import missed_key, op_tag, snapshot_key
+from noloco.elastic.membership import Membership, await_value, live_replicas, probe
 from noloco.methods.noloco import groups_of
 
 __all__ = ["ElasticCommunicator", "groups_of"]
+
+KEEP_OPS = 4
+"""an operation's agreement keys are deleted by their owners this many operations later (no
+member of it can still be waiting: it would have been marked as missed long since)"""
+KEEP_SNAPSHOTS = 8
+"""snapshots are kept longer: a replica that reads a deleted one would write another"""
 
 
 class ElasticCommunicator(Communicator):
@@ -57,6 +63,17 @@ class ElasticCommunicator(Communicator):
         quorum's until it takes theirs (:meth:`ElasticTrainer.heal`)"""
         self.longest_wait = 0.0
         """the most seconds one operation blocked (arrival and transfer together)"""
+        self.last_agree_seconds = 0.0
+        self.arrival_seconds = 0.0
+        """seconds spent waiting for the members of operations to arrive (the part of
+        ``sync_seconds`` that other replicas' lateness costs, apart from moving bytes)"""
+        self._marked = False
+        """this replica learnt that an operation went on without it (so it has a mark)"""
+        self.pace: float | None = None
+        """this replica's fastest seconds per step between two operations"""
+        self._seen: tuple[float, int] | None = None
+        self._owned: dict[int, list[str]] = {}
+        """operation → the store keys this replica deletes once it is old (:meth:`_collect`)"""
 
     # ---- state (a joining replica takes the donor's operation count) -------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -68,47 +85,147 @@ class ElasticCommunicator(Communicator):
 
     # ---- who takes part ----------------------------------------------------------------------
     def members(self) -> list[int]:
-        """The snapshot of the next operation (fixed by the first worker of any stage to reach
-        it: the stages of a replica share it)."""
-        got = self.store.compare_set(snapshot_key(self.calls), "", json.dumps(self.m.alive()))
-        return json.loads(got)
+        """The snapshot of the next operation, fixed by the first worker of any stage to reach
+        it (the stages of a replica share it). One round trip when it is fixed already; the
+        writer reads the eligible replicas first (:meth:`Membership.eligible`)."""
+        key = snapshot_key(self.calls)
+        got = probe(self.store, key)
+        if got is None:
+            # One writer computes it (the first to claim it); the others wait for its notice
+            # (not for the snapshot's key, which every arrival probes: a probe wakes that
+            # key's waiters) — and write it themselves if the writer died in between
+            # (compare-and-set: one stands).
+            if self.store.add(f"{key}/w", 1) > 1:
+                await_value(self.store, f"{key}/ok", self.peer_timeout)
+                got = probe(self.store, key)
+            if got is None:
+                got = self.store.compare_set(key, "", json.dumps(self.m.eligible()))
+                self.store.set(f"{key}/ok", "1")
+                self._own(self.calls + KEEP_SNAPSHOTS - KEEP_OPS,
+                          [key, f"{key}/w", f"{key}/ok"])
+        snap = json.loads(got)
+        now, step = time.monotonic(), self.m.step
+        if self._seen is not None and step > self._seen[1]:
+            pace = (now - self._seen[0]) / (step - self._seen[1])
+            self.pace = pace if self.pace is None else min(self.pace, pace)
+        self._seen = (now, step)
+        if self._marked or (snap and self.rank not in snap):
+            self._left_out()
+        return snap
+
+    def _left_out(self) -> None:
+        """This replica missed an arrival, or is not in the snapshot (it missed one, or was
+        joining or behind when the snapshot was fixed). One further behind the others than
+        a partner would wait for it (``--peer-timeout``) — it hung — catches up by taking a
+        live replica's state (it is ``behind``; :meth:`back` after): else it would be left
+        out again at every operation. Otherwise it is back now: new snapshots hold it."""
+        self._marked = True
+        if self.m.stages == 1 and self.behind_by() > self.peer_timeout:
+            self.behind = True
+        else:
+            self.back()
+
+    def behind_by(self) -> float:
+        """Seconds of this replica's own training (at its best pace so far) between it and the
+        live replica furthest along: what a partner of it would wait at every operation."""
+        if self.pace is None:
+            return 0.0
+        live = live_replicas(self.store, self.size, self.m.stages)
+        ahead = max((b.get("step", 0) for r, b in live.items() if r != self.rank), default=0)
+        return max(0, ahead - self.m.step) * self.pace
+
+    def back(self) -> None:
+        """Clear this replica's missed mark (it arrives again, joined or healed)."""
+        self.store.set(missed_key(self.rank), "")
+        self._marked = False
+        self._seen = None  # a join moved the step: the pace is measured afresh
+
+    def _own(self, call: int, keys: list[str]) -> None:
+        self._owned.setdefault(call, []).extend(keys)
+
+    def _collect(self) -> None:
+        """Delete the keys this replica owns of operations ``KEEP_OPS`` or more before the
+        current one: the store holds a few operations' keys, whatever the run's length. Each
+        shared key has an owner among its writers (the first member of an agreement; a late
+        member owns what it wrote after), each process-group key the member that wrote it."""
+        for call in [c for c in self._owned if c <= self.calls - KEEP_OPS]:
+            for key in self._owned.pop(call):
+                self.store.delete_key(key)
 
     def _agree(self, call: int, group: Sequence[int], attempt: int) -> tuple[list[int], str]:
         """The members of ``group`` that arrived in time (the same list for all of them; this
-        replica is not in it if it came too late), and the operation's store tag."""
-        # Each stage's replicas exchange among themselves (their own fragment of the model).
-        tag = f"{PREFIX}/op/{call}/s{self.m.stage}/{attempt}/" + "-".join(map(str, group))
-        decided = f"{tag}/set"
-        arrived = {r: f"{tag}/in/{r}" for r in group}
-        self.store.set(arrived[self.rank], "1")
-        deadline = time.monotonic() + self.peer_timeout
+        replica is not in it if it came too late), and the operation's store tag.
+
+        O(1) requests: each member appends itself to the arrival list and counts itself in;
+        the one that completes the count decides; the others wait (the store's blocking wait,
+        no polling) for the decision, at most ``--peer-timeout``, then decide on whoever
+        arrived. Deciding is compare-and-set: the first decision stands for everyone."""
+        tag = op_tag(call, self.m.stage, attempt, list(group))
+        if len(group) == 1:
+            self.last_agree_seconds = 0.0
+            return list(group), tag  # alone: nothing to agree on
+        decided, arrivals, count = f"{tag}/set", f"{tag}/in", f"{tag}/n"
         t0 = time.perf_counter()
-        while True:
-            if self.store.check(list(arrived.values())):
-                proposal = list(group)
-                break
-            if self.store.check([decided]):
-                proposal = []  # somebody decided already: take theirs
-                break
-            if time.monotonic() > deadline:
-                proposal = [r for r in group if self.store.check([arrived[r]])]
-                break
-            time.sleep(0.002)
-        final = json.loads(self.store.compare_set(decided, "", json.dumps(proposal)))
+        self.store.append(arrivals, f"{self.rank},")
+        final = None
+        if self.store.add(count, 1) >= len(group) and set(group) <= self._arrived(arrivals):
+            final = self._decide(call, decided, list(group), group)
+        else:
+            got = await_value(self.store, decided, self.peer_timeout)
+            if got is not None:
+                final = json.loads(got)
+            else:  # the deadline
+                if self._missed_since(call):
+                    final = []  # decided without this replica long ago, its keys deleted
+                else:  # decide on whoever came
+                    arrived = self._arrived(arrivals)
+                    final = self._decide(call, decided, [r for r in group if r in arrived],
+                                         group)
+        if self.rank not in final or self.rank == min(final):
+            self._own(call, [decided, arrivals, count])
         self.last_agree_seconds = time.perf_counter() - t0
         self.sync_seconds += self.last_agree_seconds
+        self.arrival_seconds += self.last_agree_seconds
         if len(final) < len(group):
             self.partial += 1
             late = self.rank not in final  # the others went on without this replica
+            self._marked = self._marked or late
             self.events.append({"call": call, "step": self.m.step,
                                 "kind": "late" if late else "absent", "group": list(group),
                                 "missing": [r for r in group if r not in final and r != self.rank],
                                 "alone": late or len(final) == 1})
         return final, tag
 
-    def _group(self, tag: str, final: list[int]) -> Any:
+    def _missed_since(self, call: int) -> bool:
+        """An operation from ``call`` on went on without this replica (its mark says so)."""
+        mark = (probe(self.store, missed_key(self.rank)) or b"").decode()
+        return mark.startswith("m:") and int(mark[2:]) >= call
+
+    def _arrived(self, arrivals: str) -> set[int]:
+        return {int(r) for r in (probe(self.store, arrivals) or b"").decode().split(",") if r}
+
+    def _decide(self, call: int, decided: str, proposal: list[int], group: Sequence[int]
+                ) -> list[int]:
+        final = json.loads(self.store.compare_set(decided, "", json.dumps(proposal)))
+        if final == proposal:  # this decision (or an identical one) stands
+            for r in group:
+                if r not in final:  # missed its arrival: out of new snapshots until back
+                    self.store.set(missed_key(r), f"m:{call}")
+        return final
+
+    def agree(self, group: Sequence[int]) -> list[int]:
+        """The next operation's arrival agreement alone, moving no bytes: the store's part of
+        an operation (``benchmarks/elastic_scale.py`` measures it with many members)."""
+        call = self.calls
+        self.calls += 1
+        self._collect()
+        return self._agree(call, sorted(group), 0)[0]
+
+    def _group(self, call: int, tag: str, final: list[int]) -> Any:
         # Everyone in ``final`` has arrived: what remains is connecting and moving the bytes,
         # which take as long as the link needs (the arrival deadline was peer_timeout).
+        # gloo's rendezvous writes one key per member, "PREFIX/0/RANK" (device 0).
+        self._own(call, [f"{tag}/pg/0/{final.index(self.rank)}"])
         return dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.store),
                                      final.index(self.rank), len(final),
                                      timedelta(seconds=self.transfer_timeout))
@@ -121,6 +238,7 @@ class ElasticCommunicator(Communicator):
         call = self.calls
         self.calls += 1
         self.ops["exchange"] += 1
+        self._collect()
         tensor = tensor.contiguous()
         bufs = list(out) if out is not None else [torch.empty_like(tensor) for _ in peers]
         group = sorted([self.rank, *peers])
@@ -130,7 +248,7 @@ class ElasticCommunicator(Communicator):
         if not present:
             return _Done(self, [None] * len(peers))
         try:
-            pg = self._group(tag, final)
+            pg = self._group(call, tag, final)
         except RuntimeError as e:  # a member that arrived died before connecting
             self.events.append({"call": call, "step": self.m.step, "kind": "lost",
                                 "missing": present, "error": str(e).splitlines()[0][:200]})
@@ -198,6 +316,7 @@ class ElasticCommunicator(Communicator):
         candidates = self.members()
         self.calls += 1
         self.ops[op] += 1
+        self._collect()
         if self.rank not in candidates:  # dropped while silent: this step alone
             self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
             self.behind = len(candidates) > 0
@@ -221,7 +340,7 @@ class ElasticCommunicator(Communicator):
                 return _Done(self, None)
             t0 = time.perf_counter()
             try:
-                nbytes = mean(self._group(tag, final), len(final))
+                nbytes = mean(self._group(call, tag, final), len(final))
             except RuntimeError as e:  # a member died or stalled: discard, retry
                 self.retries += 1
                 self.events.append({"call": call, "step": self.m.step, "kind": "lost",
@@ -232,7 +351,7 @@ class ElasticCommunicator(Communicator):
                 # which must take their state rather than step apart.
                 deadline = time.monotonic() + 0.5
                 while time.monotonic() < deadline:
-                    if any(self.store.check([f"{tag}/ok/{r}"]) for r in final):
+                    if self.store.check([f"{tag}/ok"]):
                         self.sync_seconds += time.perf_counter() - t0
                         self.behind = True
                         return _Done(self, None)
@@ -241,7 +360,8 @@ class ElasticCommunicator(Communicator):
                 alive = set(self.m.alive())
                 candidates = [r for r in final if r in alive]
                 continue
-            self.store.set(f"{tag}/ok/{self.rank}", "1")
+            if self.store.add(f"{tag}/ok", 1) == 1:
+                self._own(call, [f"{tag}/ok"])
             self.sync_seconds += time.perf_counter() - t0
             self.bytes_sent += nbytes
             return _Done(self, None)

@@ -77,8 +77,10 @@ class Joining:
             raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
         m.behind = self.comm.behind  # a behind replica is no donor (its heartbeat says so)
         if self.comm.behind:
+            m.beat()
             self.heal()
             m.behind = self.comm.behind
+            m.beat()  # healed: eligible for the very next snapshot
         if self.lay.stages > 1:
             self._serve_staged()
             return
@@ -90,13 +92,18 @@ class Joining:
             t0 = time.perf_counter()
             try:
                 # The joiner counts itself in, then names itself: it may die in between.
-                deadline = time.monotonic() + self.cfg.method.peer_timeout
-                while not store.check([tag]):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the request was never completed")
-                    time.sleep(0.01)
+                try:
+                    store.wait([tag], timedelta(seconds=self.cfg.method.peer_timeout))
+                except dist.DistStoreError:
+                    raise RuntimeError("the request was never completed") from None
                 req = json.loads(store.get(tag))
+                # The joiner waits for "go", then the transfer; one that gave up first
+                # wrote "no" (compare-and-set: exactly one of the two stands).
+                if store.compare_set(f"{tag}/go", "", "go") != b"go":
+                    raise RuntimeError("the joiner gave up waiting")
                 nbytes = self._send_state(tag)
+                for key in (tag, f"{tag}/go"):
+                    store.delete_key(key)
             except RuntimeError as e:  # the joiner died meanwhile: go on
                 print(f"noloco: replica {self.lay.replica}: a state transfer (request "
                       f"{self.served}) failed ({str(e).splitlines()[0][:120]})",
@@ -163,8 +170,7 @@ class Joining:
 
     def _transfer_timeout(self) -> float:
         """A state transfer moves the whole model: it gets ``--comm-timeout`` (a slow link
-        must not make every join fail), and at least the 3 × ``--peer-timeout`` a joiner
-        allows the donor to reach its next step boundary."""
+        must not make every join fail); the donor has answered before it starts."""
         m = self.cfg.method
         return max(3 * m.peer_timeout, m.comm_timeout)
 
@@ -176,20 +182,26 @@ class Joining:
                                    timedelta(seconds=self._transfer_timeout()))
         pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
         pg.send([blob], 1, 1).wait()
+        # Both ends are connected (the joiner received): the rendezvous key is spent.
+        self.membership.store.delete_key(f"{tag}/pg/0/0")
         return blob.numel() + 8
 
     # ---- join: joiner side -----------------------------------------------------------------
     def heal(self) -> None:
-        """DiLoCo's replicas share their slow weights; one the quorum stepped without (it was
-        late: stalled, slow) takes a live replica's state, step included — the way torchft
-        heals a replica — keeping its own inner optimizer and data position."""
+        """A replica that fell behind takes a live replica's state, step and operation count
+        included — the way torchft heals a replica — keeping its own inner optimizer and data
+        position. DiLoCo: the quorum stepped without it (it was late: stalled, slow), and its
+        slow weights are no longer the others'. NoLoCo: it is a whole operation behind the
+        others (it hung), so its partners would wait for it at every operation."""
         if self.membership.donors():
             resumed_from = self.resumed_from
             if self.join(own=None, tries=1, kind="healed"):
                 self.comm.behind = False  # else: again before the next step
+                self.comm.back()
             self.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
             self.comm.behind = False
+            self.comm.back()
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
              kind: str = "joined") -> bool:
@@ -217,8 +229,16 @@ class Joining:
             store.set(tag, json.dumps({"replica": self.lay.replica}))
             t0 = time.perf_counter()
             try:
+                # A donor answers between two steps; one that does not within the arrival
+                # deadline (dead, stuck, finished) is not waited for the transfer's.
+                try:
+                    store.wait([f"{tag}/go"],
+                               timedelta(seconds=3 * self.cfg.method.peer_timeout))
+                except dist.DistStoreError:
+                    if store.compare_set(f"{tag}/go", "", "no") == b"no":
+                        raise RuntimeError("the donor did not answer") from None
                 state, nbytes = self._receive_state(tag)
-            except RuntimeError:  # the donor died or is stuck: ask another
+            except RuntimeError:  # the donor died, is stuck or finished: ask another
                 if donor in failed:
                     failed.remove(donor)
                 failed.append(donor)
@@ -284,6 +304,7 @@ class Joining:
         pg.recv([size], 0, 0).wait()
         blob = torch.empty(int(size.item()), dtype=torch.uint8)
         pg.recv([blob], 0, 1).wait()
+        self.membership.store.delete_key(f"{tag}/pg/0/1")
         # Tensors and plain containers only: no pickled code runs (as with checkpoints).
         state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
         return state, blob.numel() + 8

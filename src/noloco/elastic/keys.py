@@ -6,11 +6,22 @@ PREFIX = "noloco/elastic"
 
 
 def heartbeat_key(replica: int, stage: int = 0) -> str:
+    """JSON: the beat counter ``n`` (never a time), step, incarnation, and the flags ready,
+    joining, behind and, in the last beat of a replica that finished, done."""
     return f"{PREFIX}/hb/{replica}/{stage}"
 
 
-def done_key(replica: int, stage: int = 0) -> str:
-    return f"{PREFIX}/done/{replica}/{stage}"
+def missed_key(replica: int) -> str:
+    """``m:C`` once an operation C was decided without this replica (it missed its arrival),
+    empty again when it is back (:mod:`noloco.elastic.communicator`). A replica with a mark is
+    left out of new snapshots: nobody waits for it twice."""
+    return f"{PREFIX}/missed/{replica}"
+
+
+def op_tag(call: int, stage: int, attempt: int, group: list[int]) -> str:
+    """The store prefix of one group's agreement in operation ``call`` (one per stage: each
+    stage's replicas exchange their own part of the model) and its process group."""
+    return f"{PREFIX}/op/{call}/s{stage}/{attempt}/" + "-".join(map(str, group))
 
 
 def join_key(donor: int) -> str:

@@ -26,10 +26,10 @@ from datetime import timedelta
 from typing import Any
 
 from noloco.elastic.keys import (
-    done_key,
     heartbeat_key,
     join_key,
     live_key,
+    missed_key,
     owner_key,
     settings_key,
 )
@@ -73,6 +73,8 @@ class Membership:
         """training (a joining replica is not, until it has its state)"""
         self.behind = False
         """an all-reduce went on without this replica: it is no donor until it healed"""
+        self.joining = incarnation > 0
+        """taking a live replica's state (a respawn): no member of new snapshots until done"""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.beats = 0
@@ -94,26 +96,33 @@ class Membership:
         if int(cur) > self.incarnation:
             self.owner = int(cur)
 
-    def start(self) -> Membership:
+    def start(self, beat_store: Any = None, thread: bool = True) -> Membership:
+        """Claim the id, register, beat once and go on beating from a thread of its own, on
+        ``beat_store`` (default: a connection of its own). ``thread=False``: the caller beats
+        (many light members of one process, in a benchmark, share one thread)."""
         self.claim()
-        self._beat_store = own_client(self.store)
+        self._beat_store = own_client(self.store) if beat_store is None else beat_store
         self.store.compare_set(settings_key(), "", json.dumps(
             {"replicas": self.replicas, "stages": self.stages,
              "peer_timeout": self.peer_timeout}))
+        # A new life starts unmarked (its joining flag keeps it out of snapshots meanwhile).
+        self.store.set(missed_key(self.replica), "")
         self.beat()
-        self._thread = threading.Thread(target=self._loop, name="noloco-membership",
-                                        daemon=True)
-        self._thread.start()
+        if thread:
+            self._thread = threading.Thread(target=self._loop, name="noloco-membership",
+                                            daemon=True)
+            self._thread.start()
         return self
 
-    def beat(self) -> None:
+    def beat(self, done: bool = False) -> None:
         with self._beat_lock:
             if self.owner is not None:  # fenced: the newer owner's heartbeat is the replica's
                 return
             self.beats += 1
             self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
-                 "ready": self.ready, "behind": self.behind}))
+                 "ready": self.ready, "behind": self.behind, "joining": self.joining,
+                 **({"done": True} if done else {})}))
 
     def _loop(self) -> None:
         wait = self.interval
@@ -139,8 +148,9 @@ class Membership:
     def finish(self) -> None:
         """Announce that this replica finished: nobody waits for it any more."""
         self.stop()
+        self._beat_store = self.store  # the beat thread's connection may be gone with it
         with contextlib.suppress(Exception):  # the store may be gone with the run
-            self.store.set(done_key(self.replica, self.stage), "1")
+            self.beat(done=True)
 
     def stop(self) -> None:
         """Stop beating, and wait for a beat in flight: a store call still running on the
@@ -152,6 +162,25 @@ class Membership:
         others = live_replicas(self.store, self.replicas, self.stages)
         return sorted({*others, self.replica})
 
+    def eligible(self) -> list[int]:
+        """The members of a new snapshot: the live replicas (the monitor's view) that train —
+        none joining, none behind an all-reduce that went on without it, none marked for a
+        missed arrival — and this one (it is arriving). Flags and marks are read fresh, all
+        in one read: a mark must keep a replica out of the very next snapshot, and a replica
+        that healed beats at once to be in it."""
+        live = live_replicas(self.store, self.replicas, self.stages)
+        others = sorted(r for r in live if r != self.replica)
+        got = read(self.store, [heartbeat_key(r) for r in others]
+                   + [missed_key(r) for r in others])
+        out = [self.replica]
+        for r, beat, mark in zip(others, got[:len(others)], got[len(others):], strict=True):
+            if beat is None or mark is None or mark:
+                continue
+            b = json.loads(beat)
+            if not (b.get("joining") or b.get("behind") or b.get("done")):
+                out.append(r)
+        return sorted(out)
+
     def donors(self) -> list[int]:
         """Live replicas that train (neither joining nor behind an all-reduce that went on
         without them), the furthest along first: the ones a joining or healing replica may
@@ -162,24 +191,71 @@ class Membership:
         return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
 
 
+_ABSENT = "\x00absent"
+
+
+def probe(store: Any, key: str) -> bytes | None:
+    """The key's value, or None if it was never written: one round trip (compare-and-set
+    expecting a value no key holds writes nothing and answers the current value, or the
+    expected one back where there is none). A store's ``get`` is two: it waits first."""
+    got = store.compare_set(key, _ABSENT, _ABSENT)
+    return None if got == _ABSENT.encode() else got
+
+
+def await_value(store: Any, key: str, timeout: float) -> bytes | None:
+    """The key's value once it is written, or None after ``timeout`` seconds. A store's
+    ``wait`` can return before the key exists — torch's TCPStore wakes a key's waiters on any
+    compare-and-set of it, one that writes nothing included (:func:`probe`) — so each wake is
+    checked, and the wait resumed until the deadline."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return probe(store, key)
+        with contextlib.suppress(dist.DistStoreError):  # the deadline passed
+            store.wait([key], timedelta(seconds=left))
+        got = probe(store, key)
+        if got is not None:
+            return got
+
+
 def live_replicas(store: Any, replicas: int, stages: int) -> dict[int, dict[str, Any]]:
     """Replica → its stage 0's newest heartbeat, for every replica alive: the monitor's
     published set (one read). Before the monitor's first publication: every replica whose
     stages have all beaten and none finished."""
-    if store.check([live_key()]):
-        return {int(r): b for r, b in json.loads(store.get(live_key())).items()}
+    got = probe(store, live_key())
+    if got is not None:
+        return {int(r): b for r, b in json.loads(got).items()}
     return scan(store, replicas, stages)
+
+
+def read(store: Any, keys: list[str]) -> list[str | None]:
+    """Each key's value, None where it was never written: two requests when all exist (the
+    common case), one more per key otherwise."""
+    if not keys:
+        return []
+    if store.check(keys):
+        return [v.decode() for v in store.multi_get(keys)]
+    present = [k for k in keys if store.check([k])]
+    got = dict(zip(present, store.multi_get(present) if present else [], strict=True))
+    return [got[k].decode() if k in got else None for k in keys]
 
 
 def scan(store: Any, replicas: int, stages: int) -> dict[int, dict[str, Any]]:
     """Every replica with a heartbeat of each stage and no stage finished: its stage 0's beat
-    (no judgement of age: that is the monitor's)."""
+    (no judgement of age: that is the monitor's). All heartbeats in one read."""
+    keys = [heartbeat_key(r, s) for r in range(replicas) for s in range(stages)]
+    values = read(store, keys)
     out = {}
     for r in range(replicas):
-        keys = [heartbeat_key(r, s) for s in range(stages)]
-        if not store.check(keys) or any(store.check([done_key(r, s)]) for s in range(stages)):
+        got = values[r * stages:(r + 1) * stages]
+        if any(v is None for v in got):
             continue
-        beats = [json.loads(store.get(k)) for k in keys]
+        beats = [json.loads(v) for v in got if v is not None]
+        if any(b.get("done") for b in beats):
+            continue
         out[r] = {"ready": False, **beats[0], "beats": [b["n"] for b in beats],
                   "incarnations": [b["incarnation"] for b in beats]}
     return out

@@ -131,6 +131,7 @@ class ElasticTrainer(Joining, Trainer):
             "train_seconds": self.loop_seconds() - self.state.eval_s,
             "wall_seconds": self.wall_seconds(), "partial_operations": comm.partial,
             "retries": comm.retries, "longest_wait_seconds": comm.longest_wait,
+            "arrival_seconds": comm.arrival_seconds,
             "ops": dict(comm.ops),
             "events": comm.events, "joins": self.joins,
             "served": self.served, "resumed_from_step": self.resumed_from,
@@ -182,7 +183,11 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
                                  membership)
         if incarnation > 0:
             trainer.join()
+            # Marked as missed by an operation its previous life never came to, maybe after
+            # this one started: a member again from now on.
+            trainer.comm.back()
         membership.ready = True  # a donor from now on
+        membership.joining = False  # a member of new snapshots
         membership.beat()
         summary = trainer.train()
         ok = True
@@ -215,6 +220,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
                            "sync_seconds": max(x["sync_seconds"] for x in stages),
                            "longest_wait_seconds": max(x["longest_wait_seconds"]
                                                        for x in stages),
+                           "arrival_seconds": max(x.get("arrival_seconds", 0.0)
+                                                  for x in stages),
                            "partial_operations": sum(x["partial_operations"] for x in stages),
                            "retries": sum(x["retries"] for x in stages),
                            "events": [e for x in stages for e in x["events"]],
@@ -269,6 +276,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         "partial_operations": {str(r): s["partial_operations"] for r, s in finished.items()},
         "retries": {str(r): s["retries"] for r, s in finished.items()},
         "longest_wait_seconds": {str(r): s["longest_wait_seconds"] for r, s in finished.items()},
+        "arrival_seconds_per_replica": {str(r): s.get("arrival_seconds", 0.0)
+                                        for r, s in finished.items()},
         "events": {str(r): s["events"] for r, s in finished.items()},
         "failures": failures,
         "joins": joins + [j for s in finished.values() for j in s["joins"]],
