@@ -35,9 +35,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -202,10 +204,13 @@ def run_n(n: int, ops: int, mode: str, procs: int, compute_ms: float) -> dict[st
         share = [n // procs + (1 if i < n % procs else 0) for i in range(procs)]
         firsts = [sum(share[:i]) for i in range(procs)]
         t0 = time.perf_counter()
+        # Results come back in files: a pipe would fill and block a member process.
+        tmp = Path(tempfile.mkdtemp(prefix="noloco-scale-"))
+        files = [tmp / f"{f}.json" for f in firsts]
         workers = [subprocess.Popen(
             [sys.executable, __file__, "--member-proc", str(port), str(n), str(f), str(k),
-             str(ops), mode, str(compute_ms)], stdout=subprocess.PIPE, text=True, env=env)
-            for f, k in zip(firsts, share, strict=True)]
+             str(ops), mode, str(compute_ms), str(path)], env=env)
+            for f, k, path in zip(firsts, share, files, strict=True)]
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=600))
         while store.add("bench/ready", 0) < n:
             time.sleep(0.2)
@@ -222,9 +227,10 @@ def run_n(n: int, ops: int, mode: str, procs: int, compute_ms: float) -> dict[st
             keys_seen.append(store.num_keys())
             time.sleep(0.5)
         ops_s = time.perf_counter() - t1
-        outs = [json.loads(w.stdout.read()) for w in workers if w.stdout]
         if any(w.returncode for w in workers):
             raise RuntimeError(f"a member process failed at N = {n}")
+        outs = [json.loads(f.read_text()) for f in files]
+        shutil.rmtree(tmp)
         keys_end = store.num_keys()
     finally:
         coord.terminate()
@@ -290,9 +296,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--member-proc":
+        import faulthandler
+        import signal
+
+        faulthandler.register(signal.SIGUSR1)  # a stack of every thread, should one hang
         port, n, first, count, ops = map(int, argv[1:6])
-        print(json.dumps(member_process("127.0.0.1", port, n, first, count, ops, argv[6],
-                                        float(argv[7]))))
+        Path(argv[8]).write_text(json.dumps(member_process(
+            "127.0.0.1", port, n, first, count, ops, argv[6], float(argv[7]))))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="16,64,256,1024")
