@@ -110,11 +110,8 @@ def run(a: argparse.Namespace, replicas: int, tokenizer: str, cache: str, out: P
     return {**st, "wall_seconds": wall}
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
-    t_start = time.perf_counter()
-    rec = common.start_record("startup", {k: v for k, v in vars(a).items()})
-    scratch = Path(tempfile.mkdtemp(prefix="noloco-startup-"))
+def measure(a: Any, scratch: Path) -> dict[str, Any]:
+    """Every tokenizer x mode x replica count, its runs and token caches under ``scratch``."""
     tokenizers = {"bytes": "bytes"}
     if not a.no_hf:
         path = hf_tokenizer(a.data, a.max_tokens, a.vocab, scratch)
@@ -132,6 +129,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['first_step_seconds_max'] or 0:6.2f} s | wall {r['wall_seconds']:6.2f}"
                       f" s | private tokens {r['corpus_private_bytes_sum'] / 1e6:6.1f} MB",
                       flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    rec = common.start_record("startup", dict(vars(a)))
+    with tempfile.TemporaryDirectory(prefix="noloco-startup-") as tmp:
+        results = measure(a, Path(tmp))
     judged = {}
     for name, modes in results.items():
         one = modes["file"][str(min(a.replica_counts))]["tokenize_seconds"]

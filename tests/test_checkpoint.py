@@ -303,6 +303,7 @@ def test_schedule_and_checkpoint_defaults_resolve():
     ("kill:1@40", True), ("stall:0@3:2.5", True), ("slow:1:2", True), ("kill:1.1@4", True),
     ("kill:1", False), ("stall:0@3", False), ("slow:1:0.5", False), ("boom:1@2", False),
     ("kill:9@1", False), ("kill:0.5@1", False), ("kill:0@0", False),
+    ("hang:1@4", True), ("hang:1@4:2.5", True), ("hang:1@4:2:3", False), ("kill:1@4:2", False),
 ])
 def test_fault_specs(spec, ok):
     if ok:

@@ -128,12 +128,6 @@ def test_the_check_catches_an_undeclared_and_an_unguarded_import(tmp_path, monke
     assert "does not name its extra (noloco[wandb])" in found[2]
 
 
-def test_the_final_weights_format_is_a_dependency():
-    # the bug this guards against: training ended in ModuleNotFoundError on a bare install
-    deps, _ = declared()
-    assert "safetensors" in deps
-
-
 # The newest torch APIs the code uses and the release each first appeared in (read from the
 # release wheels' sources: torch/distributed/distributed_c10d.py, torch/nn/utils/__init__.py;
 # everything else the code calls is in 2.3 already). The declared lower bound must admit none

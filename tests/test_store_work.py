@@ -5,6 +5,7 @@ up to 1,024 members."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ def run_members(n: int, ops: int, mode: str) -> tuple[float, int, int]:
     members = [Membership(s, r, n, 10.0).start(beat_store=beat, thread=False)
                for r, s in enumerate(stores)]
     deadline = time.monotonic() + 20
-    while len(__import__("json").loads(probe(server, live_key()) or b"{}")) < n:
+    while len(json.loads(probe(server, live_key()) or b"{}")) < n:
         assert time.monotonic() < deadline, "the monitor never saw every member"
         time.sleep(0.05)
     before = server.num_keys()

@@ -17,6 +17,7 @@ from run_utils import summary, train
 
 from noloco.cli import main
 from noloco.data import ByteTokenizer, load_corpus
+from noloco.rundir import TMP_SUFFIX
 from noloco.token_cache import cache_key, cached_corpus, read
 
 
@@ -115,7 +116,7 @@ def test_processes_asking_at_once_build_it_once(tmp_path):
     assert sum(o["tokenized"] for o in outs) == 1, outs
     assert {o["sum"] for o in outs} == {int(ref.train.sum()) + int(ref.val.sum())}
     left = sorted(p.name for p in (tmp_path / "c").iterdir())
-    assert [n for n in left if ".tmp." in n] == [] and len(left) == 2  # the file, its lock
+    assert [n for n in left if n.endswith(TMP_SUFFIX)] == [] and len(left) == 2  # file, lock
 
 
 @pytest.mark.timeout(300)

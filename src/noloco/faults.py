@@ -65,8 +65,7 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
             elif kind in ("kill", "stall", "hang", "crash"):
                 who, _, when = rest.partition("@")
                 parts = when.split(":")
-                if not (len(parts) == 2 if kind == "stall" else
-                        len(parts) in (1, 2) if kind == "hang" else len(parts) == 1):
+                if len(parts) not in {"stall": (2,), "hang": (1, 2)}.get(kind, (1,)):
                     raise ValueError
                 replica, stage = _who(who, default_stage=0)
                 seconds = float(parts[1]) if len(parts) == 2 else (

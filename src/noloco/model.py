@@ -68,12 +68,14 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim/2), computed on the fly (cheap, never stored,
-    so a model built on the meta device costs nothing)."""
+                dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions start .. start + seq_len - 1, shape (seq_len, head_dim/2),
+    computed on the fly (cheap, never stored, so a model built on the meta device costs
+    nothing; a cached generation step computes its own positions only)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                           / head_dim)
-    ang = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    ang = torch.outer(torch.arange(start, start + seq_len, device=device,
+                                   dtype=torch.float32), inv)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
@@ -104,8 +106,8 @@ class Attention(nn.Module):
         q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
         start = 0 if cache is None else cache.length
-        cos, sin = rope_tables(start + t, self.head_dim, self.theta, x.device, q.dtype)
-        q, k = apply_rope(q, cos[start:], sin[start:]), apply_rope(k, cos[start:], sin[start:])
+        cos, sin = rope_tables(t, self.head_dim, self.theta, x.device, q.dtype, start)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
         if cache is not None:
             k, v = cache.append(self, k, v)

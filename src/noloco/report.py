@@ -56,7 +56,7 @@ class MissingExtra(Exception):
     """An optional part of the report that needs an extra; the table is written without it."""
 
 
-PLOT_EXTRA = "plots need the 'plot' extra: pip install 'noloco[plot]'"
+PLOT_EXTRA = "no plots: they need the 'plot' extra: pip install 'noloco[plot]'"
 
 
 def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -107,7 +107,7 @@ def report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]]:
         pngs = []
     md = ["# Runs compared", "", table(runs), ""]
     md += [f"![{p.stem}]({p.name})" for p in pngs] or [
-        f"(no {PLOT_EXTRA})"]
+        f"({PLOT_EXTRA})"]
     md += ["", "Runs: " + ", ".join(f"`{r['path']}`" for r in runs), ""]
     path = o / "report.md"
     path.write_text("\n".join(md))
@@ -125,5 +125,5 @@ def add_subparser(sub: Any) -> None:
 def _main(ns: Any) -> int:
     path, pngs = report(ns.runs, ns.out)
     print(path.read_text().split("\n\n")[1])
-    print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else f" (no {PLOT_EXTRA})"))
+    print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else f" ({PLOT_EXTRA})"))
     return 0

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from noloco.data import ByteTokenizer, Corpus, HFTokenizer, builtin_files, load_corpus
+from noloco.rundir import atomic_write
 
 MAGIC = b"NOLOCOTK"
 VERSION = 1
@@ -111,17 +112,10 @@ def write(path: Path, key: str, corpus: Corpus) -> None:
                          "crc32": crc}).encode()
     head = MAGIC + struct.pack("<II", VERSION, len(header)) + header
     head += b"\0" * (-len(head) % ALIGN)
-    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(head)
-            for a in data:
-                f.write(a.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(path) as tmp, open(tmp, "wb") as f:
+        f.write(head)
+        for a in data:
+            f.write(a.tobytes())
 
 
 def read(path: Path, key: str) -> Corpus | None:

@@ -118,7 +118,8 @@ class ElasticCommunicator(Communicator):
         joining or behind when the snapshot was fixed). One further behind the others than
         a partner would wait for it (``--peer-timeout``) — it hung — catches up by taking a
         live replica's state (it is ``behind``; :meth:`back` after): else it would be left
-        out again at every operation. Otherwise it is back now: new snapshots hold it."""
+        out again at every operation. Otherwise it is back now: new snapshots hold it. (With
+        pipeline stages a replica only ever takes a state as it starts, so it is back.)"""
         self._marked = True
         if self.m.stages == 1 and self.behind_by() > self.peer_timeout:
             self.behind = True
@@ -167,20 +168,15 @@ class ElasticCommunicator(Communicator):
         decided, arrivals, count = f"{tag}/set", f"{tag}/in", f"{tag}/n"
         t0 = time.perf_counter()
         self.store.append(arrivals, f"{self.rank},")
-        final = None
         if self.store.add(count, 1) >= len(group) and set(group) <= self._arrived(arrivals):
             final = self._decide(call, decided, list(group), group)
-        else:
-            got = await_value(self.store, decided, self.peer_timeout)
-            if got is not None:
-                final = json.loads(got)
-            else:  # the deadline
-                if self._missed_since(call):
-                    final = []  # decided without this replica long ago, its keys deleted
-                else:  # decide on whoever came
-                    arrived = self._arrived(arrivals)
-                    final = self._decide(call, decided, [r for r in group if r in arrived],
-                                         group)
+        elif (got := await_value(self.store, decided, self.peer_timeout)) is not None:
+            final = json.loads(got)
+        elif self._missed_since(call):  # decided without this replica long ago, keys deleted
+            final = []
+        else:  # the deadline: decide on whoever came
+            arrived = self._arrived(arrivals)
+            final = self._decide(call, decided, [r for r in group if r in arrived], group)
         if self.rank not in final or self.rank == min(final):
             self._own(call, [decided, arrivals, count])
         self.last_agree_seconds = time.perf_counter() - t0

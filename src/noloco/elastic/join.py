@@ -27,6 +27,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError
 from noloco.config import ConfigError
 from noloco.elastic.keys import PREFIX, join_key
+from noloco.elastic.membership import await_value
 from noloco.errors import Superseded
 from noloco.train import weights_checksum
 
@@ -92,11 +93,9 @@ class Joining:
             t0 = time.perf_counter()
             try:
                 # The joiner counts itself in, then names itself: it may die in between.
-                try:
-                    store.wait([tag], timedelta(seconds=self.cfg.method.peer_timeout))
-                except dist.DistStoreError:
-                    raise RuntimeError("the request was never completed") from None
-                req = json.loads(store.get(tag))
+                req = self._request(tag)
+                if req is None:
+                    raise RuntimeError("the request was never completed")
                 # The joiner waits for "go", then the transfer; one that gave up first
                 # wrote "no" (compare-and-set: exactly one of the two stands).
                 if store.compare_set(f"{tag}/go", "", "go") != b"go":
@@ -154,13 +153,8 @@ class Joining:
     def _request(self, tag: str) -> dict[str, Any] | None:
         """A join request once the joiner has named itself (it counts itself in first, and
         may die in between): None if it never does within the timeout."""
-        store = self.membership.store
-        deadline = time.monotonic() + self.cfg.method.peer_timeout
-        while not store.check([tag]):
-            if time.monotonic() > deadline:
-                return None
-            time.sleep(0.01)
-        return json.loads(store.get(tag))
+        got = await_value(self.membership.store, tag, self.cfg.method.peer_timeout)
+        return None if got is None else json.loads(got)
 
     def checksum(self) -> int:
         """Of the model and every tensor of the method's state — slow weights, outer
@@ -170,7 +164,8 @@ class Joining:
 
     def _transfer_timeout(self) -> float:
         """A state transfer moves the whole model: it gets ``--comm-timeout`` (a slow link
-        must not make every join fail); the donor has answered before it starts."""
+        must not make every join fail), and at least the 3 × ``--peer-timeout`` a joiner of a
+        pipeline allows the donor's stages to reach the step they serve at."""
         m = self.cfg.method
         return max(3 * m.peer_timeout, m.comm_timeout)
 
@@ -195,9 +190,7 @@ class Joining:
         others (it hung), so its partners would wait for it at every operation."""
         if self.membership.donors():
             resumed_from = self.resumed_from
-            if self.join(own=None, tries=1, kind="healed"):
-                self.comm.behind = False  # else: again before the next step
-                self.comm.back()
+            self.join(own=None, tries=1, kind="healed")  # failed: again before the next step
             self.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
             self.comm.behind = False
@@ -329,3 +322,7 @@ class Joining:
         self.state.step = self.status.step = int(state["step"])
         self.membership.step = self.state.step
         self.resumed_from = self.state.step
+        # A live state: not behind, and no longer marked for an operation it (or its
+        # previous life) missed — maybe marked after this process started.
+        self.comm.behind = False
+        self.comm.back()

@@ -183,9 +183,6 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
                                  membership)
         if incarnation > 0:
             trainer.join()
-            # Marked as missed by an operation its previous life never came to, maybe after
-            # this one started: a member again from now on.
-            trainer.comm.back()
         membership.ready = True  # a donor from now on
         membership.joining = False  # a member of new snapshots
         membership.beat()
