@@ -114,9 +114,12 @@ class FaultInjector:
             time.sleep((self.slow - 1.0) * step_seconds)
 
     def after_step(self, step: int) -> None:
-        fault = self.pending.pop(step, None)
-        if fault is None:
+        # The first step at or past the fault's: an elastic replica that caught up by taking
+        # a live state jumps over steps, and its fault must not vanish with them.
+        due = [s for s in self.pending if s <= step]
+        if not due:
             return
+        fault = self.pending.pop(min(due))
         who = f"rank {self.rank} (replica {self.replica}, stage {self.stage})"
         pid = os.getpid()
         if fault.kind == "kill":
