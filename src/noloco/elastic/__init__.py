@@ -24,7 +24,7 @@ Snapshots: who takes part in operation c
     Every replica issues the same sequence of operations (one per outer step or fragment
     sync: the schedule is a function of the step alone), numbered c = 0, 1, ... The first
     replica to reach operation c claims it and writes the list of *eligible* replicas — alive,
-    training (not joining, not behind), not marked for a missed arrival — under the store key
+    training (not joining), not marked for a missed arrival — under the store key
     of c with compare-and-set; every later replica reads that value back. Invariant: the key
     is written once and never changed (compare-and-set on the store's server is atomic), so
     every replica that reaches c sees the same list, draws the same groups from it (a

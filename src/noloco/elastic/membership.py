@@ -164,8 +164,8 @@ class Membership:
 
     def eligible(self) -> list[int]:
         """The members of a new snapshot: the live replicas (the monitor's view) that train —
-        none joining, none behind an all-reduce that went on without it, none marked for a
-        missed arrival — and this one (it is arriving). Flags and marks are read fresh, all
+        none joining, none finished, none marked for a missed arrival — and this one (it is
+        arriving). Flags and marks are read fresh, all
         in one read: a mark must keep a replica out of the very next snapshot, and a replica
         that healed beats at once to be in it."""
         live = live_replicas(self.store, self.replicas, self.stages)
@@ -177,7 +177,10 @@ class Membership:
             if beat is None or mark is None or mark:
                 continue
             b = json.loads(beat)
-            if not (b.get("joining") or b.get("behind") or b.get("done")):
+            # A behind replica stays in: it heals between two steps and arrives at the
+            # operation its donor comes to next — left out, every snapshot fixed while it
+            # took its state would leave it behind again.
+            if not (b.get("joining") or b.get("done")):
                 out.append(r)
         return sorted(out)
 
