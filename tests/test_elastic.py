@@ -242,49 +242,113 @@ def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, shakespeare, m
 
 
 ROLE = """
-import json, sys, time, torch
+import json, os, sys, time, torch
 from datetime import timedelta
 import torch.distributed as dist
 from noloco.elastic import ElasticCommunicator, Membership
-port, r = int(sys.argv[1]), int(sys.argv[2])
+port, r, n, plan = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
-m = Membership(store, r, 3, 2.0).start()
+m = Membership(store, r, n, 2.0).start()
 c = ElasticCommunicator(m, 2.0)
 store.add("started", 1)
-while store.add("started", 0) < 3:  # all three beat before anyone fixes a snapshot
+while store.add("started", 0) < n:  # all beat before anyone fixes a snapshot
     time.sleep(0.01)
-if r < 2:
-    t = torch.full((1000,), float(r + 1))
-    c.all_reduce_mean_async(t).wait()
-    print(json.dumps({"value": t.unique().tolist(), "retries": c.retries,
-                      "events": [e["kind"] for e in c.events]}))
-else:  # arrives, connects, vanishes before the all-reduce
-    final, tag = c._agree(0, c.members(), 0)
-    pg = c._group(tag, final)
-    m.stop()
-    import os
-    os._exit(0)
+attempts = []
+group = c._group
+
+
+class Work:
+    def __init__(self, work, act):
+        self.work, self.act = work, act
+
+    def wait(self):
+        self.work.wait()
+        if self.act[0] == "fail_after":  # the ring completed here, then this member broke
+            time.sleep(self.act[1])
+            raise RuntimeError("broke after the collective")
+        if self.act[0] == "slow":  # completed here; reports late
+            time.sleep(self.act[1])
+
+
+class PG:
+    def __init__(self, pg, act):
+        self.pg, self.act = pg, act
+
+    def allreduce(self, xs):
+        return Work(self.pg.allreduce(xs), self.act)
+
+
+def planned(call, tag, final):
+    act = plan.get(str(r), {}).get(str(len(attempts)), ["ok"])
+    attempts.append(final)
+    pg = group(call, tag, final)
+    if act[0] == "die":  # arrived and connected, gone before the all-reduce: as a kill -9
+        os._exit(0)
+    return PG(pg, act)
+
+
+c._group = planned
+t = torch.full((1000,), float(r + 1))
+c.all_reduce_mean_async(t).wait()
+print(json.dumps({"value": t.unique().tolist(), "retries": c.retries, "behind": c.behind,
+                  "attempts": attempts, "events": [e["kind"] for e in c.events]}))
 """
 
 
-@pytest.mark.timeout(120)
-def test_an_all_reduce_member_lost_midway_is_retried_among_the_survivors():
-    """Three replicas; replica 2 arrives, joins the process group, then exits before the
-    all-reduce: 0 and 1 discard the failed attempt and average between themselves."""
+def all_reduce_roles(n: int, plan: dict[int, dict[int, list]]) -> dict[int, dict]:
+    """``n`` replicas all-reduce ``r + 1`` once through the elastic communicator, replica r
+    acting out ``plan[r][attempt]`` (die, fail_after SECONDS, slow SECONDS, or ok): the
+    results of those that finished."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
                           wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, "-c", ROLE, str(store.port), str(r)],
+    procs = [subprocess.Popen([sys.executable, "-c", ROLE, str(store.port), str(r), str(n),
+                               json.dumps(plan)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(3)]
+             for r in range(n)]
     outs = [p.communicate(timeout=90) for p in procs]
-    res = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs[:2]]
-    assert res[0]["value"] == res[1]["value"] == [1.5], outs
-    assert res[0]["retries"] == res[1]["retries"] == 1
-    assert res[0]["events"] == ["lost", "absent"]
+    return {r: json.loads(o.strip().splitlines()[-1]) for r, (o, _) in enumerate(outs)
+            if o.strip()}
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_member_lost_midway_then_another_in_the_retry():
+    """Four replicas; 3 connects and dies before the all-reduce, then 2 does the same in the
+    retry: 0 and 1 discard both failed attempts and average between themselves — the same
+    bits, each retry among the previous attempt's members (not each one's own view)."""
+    res = all_reduce_roles(4, {3: {0: ["die"]}, 2: {1: ["die"]}})
+    assert sorted(res) == [0, 1], res
+    assert res[0]["value"] == res[1]["value"] == [1.5], res
+    for x in res.values():
+        assert x["retries"] == 2 and not x["behind"], x
+        assert x["attempts"] == [[0, 1, 2, 3], [0, 1, 2], [0, 1]], x
+        assert x["events"] == ["lost", "absent", "lost", "absent"], x
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_that_completed_elsewhere_commits_and_the_broken_member_heals():
+    """The collective completes on 0 and 1, which commit and step; 2 breaks after it: the
+    outcome is fixed, so 2 steps on nothing of its own — it is behind (it heals)."""
+    res = all_reduce_roles(3, {2: {0: ["fail_after", 1.0]}})
+    assert res[0]["value"] == res[1]["value"] == [2.0], res
+    assert not res[0]["behind"] and not res[1]["behind"] and res[0]["retries"] == 0
+    assert res[2]["behind"] and res[2]["value"] == [3.0] and res[2]["events"] == ["behind"]
+
+
+@pytest.mark.timeout(120)
+def test_an_all_reduce_aborted_first_is_retried_by_members_that_completed_it():
+    """2 breaks at once after the collective; 0 and 1 completed it but report later: the
+    abort stands, and all three retry (0 and 1 drop the mean they had) and agree."""
+    res = all_reduce_roles(3, {2: {0: ["fail_after", 0.0]}, 0: {0: ["slow", 1.0]},
+                               1: {0: ["slow", 1.0]}})
+    assert [res[r]["value"] for r in range(3)] == [[2.0]] * 3, res
+    for r in range(3):
+        assert res[r]["retries"] == 1 and not res[r]["behind"], res[r]
+        assert res[r]["events"] == ["lost" if r == 2 else "aborted"], res[r]
+        assert res[r]["attempts"] == [[0, 1, 2], [0, 1, 2]]
 
 
 STAGES = ["--stages", "2", "--routing", "fixed"]

@@ -43,8 +43,18 @@ Arrival: who actually comes
     after c, the group and the attempt — exactly those members, no call on any other
     process — and exchange; the transfer gets ``--comm-timeout``. A member that dies during
     the exchange breaks the connection (kill) or lets it time out (stall): NoLoCo averages
-    with the members whose data arrived; an all-reduce (DiLoCo) discards the step and retries
-    among the survivors.
+    with the members whose data arrived; an all-reduce (DiLoCo) has one outcome (below).
+
+One outcome per all-reduce
+    Each member reports its attempt by compare-and-set on the attempt's outcome key: the
+    first report stands. ``commit`` (a member's collective completed): every member whose
+    collective completed steps with the mean — a ring's result is the same bits on each —
+    and the others are *behind* and take a committed replica's state. ``abort`` (a member's
+    collective failed first): every member discards its result, also one that completed, and
+    all retry among the same list (the attempt's members, not each one's own view of who is
+    alive); whoever does not arrive at the retry misses it. After ``MAX_ATTEMPTS`` aborts the
+    members step on a zero outer gradient — still identical to each other. So the replicas
+    that step stay bit-identical whatever breaks when.
 
 Store work
     O(1) round trips per replica per operation, whatever the number of replicas; every key

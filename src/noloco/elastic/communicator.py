@@ -31,6 +31,9 @@ __all__ = ["ElasticCommunicator", "groups_of"]
 KEEP_OPS = 4
 """an operation's agreement keys are deleted by their owners this many operations later (no
 member of it can still be waiting: it would have been marked as missed long since)"""
+MAX_ATTEMPTS = 4
+"""attempts of one all-reduce; each failed one loses a member, typically (one that died,
+stalled or lost its link misses the next attempt's arrival)"""
 KEEP_SNAPSHOTS = 8
 """snapshots are kept longer: a replica that reads a deleted one would write another"""
 
@@ -326,8 +329,14 @@ class ElasticCommunicator(Communicator):
 
     def _all_reduce(self, call: int, tensor: torch.Tensor, original: torch.Tensor,
                     candidates: list[int], mean: Callable[[Any, int], int]) -> Pending:
-        for attempt in range(len(candidates) + 1):
-            final, tag = self._agree(call, candidates, attempt)
+        """One outcome for everyone (package docstring, *One outcome per operation*): each
+        attempt among the members that arrived either commits — every member whose collective
+        completed steps with its mean, the rest are behind and heal — or aborts, and all its
+        members retry among themselves (the same list everywhere: an absent one misses the
+        next arrival). Whichever member reports first fixes it by compare-and-set."""
+        group = candidates
+        for attempt in range(MAX_ATTEMPTS):
+            final, tag = self._agree(call, group, attempt)
             if self.rank not in final or len(final) == 1:
                 tensor.copy_(original)
                 # Late: the others stepped without this replica. Alone by the others'
@@ -335,34 +344,43 @@ class ElasticCommunicator(Communicator):
                 self.behind = self.rank not in final
                 return _Done(self, None)
             t0 = time.perf_counter()
+            error = None
             try:
                 nbytes = mean(self._group(call, tag, final), len(final))
-            except RuntimeError as e:  # a member died or stalled: discard, retry
-                self.retries += 1
-                self.events.append({"call": call, "step": self.m.step, "kind": "lost",
-                                    "group": final, "error": str(e).splitlines()[0][:200]})
-                tensor.copy_(original)
-                # Did the all-reduce complete on another member? (A ring can finish on some
-                # members and break on others.) Then they stepped without this replica,
-                # which must take their state rather than step apart.
-                deadline = time.monotonic() + 0.5
-                while time.monotonic() < deadline:
-                    if self.store.check([f"{tag}/ok"]):
-                        self.sync_seconds += time.perf_counter() - t0
-                        self.behind = True
-                        return _Done(self, None)
-                    time.sleep(0.02)
-                self.sync_seconds += time.perf_counter() - t0
-                alive = set(self.m.alive())
-                candidates = [r for r in final if r in alive]
-                continue
-            if self.store.add(f"{tag}/ok", 1) == 1:
-                self._own(call, [f"{tag}/ok"])
+            except RuntimeError as e:  # a member died, stalled or lost its link
+                error = str(e).splitlines()[0][:200]
+            committed = self._outcome(call, tag, final, error is None)
             self.sync_seconds += time.perf_counter() - t0
-            self.bytes_sent += nbytes
-            return _Done(self, None)
-        tensor.copy_(original)
+            if committed and error is None:
+                self.bytes_sent += nbytes
+                return _Done(self, None)
+            tensor.copy_(original)
+            event = {"call": call, "step": self.m.step, "attempt": attempt, "group": final}
+            if error is not None:
+                event["error"] = error
+            if committed:  # it completed on other members, who stepped: take their state
+                self.events.append({**event, "kind": "behind"})
+                self.behind = True
+                return _Done(self, None)
+            self.retries += 1
+            self.events.append({**event, "kind": "lost" if error else "aborted"})
+            group = final
+        # Every attempt aborted (the same sequence of outcomes on every member that is still
+        # here): no mean stands, so nobody steps on its own outer gradient — the members stay
+        # identical; the inner steps since the last operation are lost to the outer update.
+        tensor.zero_()
+        self.events.append({"call": call, "step": self.m.step, "kind": "gave_up",
+                            "group": group})
         return _Done(self, None)
+
+    def _outcome(self, call: int, tag: str, final: list[int], completed: bool) -> bool:
+        """Report this member's attempt and learn the attempt's outcome: committed (True) or
+        aborted. The first report stands (compare-and-set); one round trip."""
+        key = f"{tag}/outcome"
+        got = self.store.compare_set(key, "", "commit" if completed else "abort")
+        if self.rank == min(final):
+            self._own(call, [key])
+        return got == b"commit"
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
         # Not an operation of any elastic path: the methods exchange or all-reduce, and the

@@ -157,11 +157,6 @@ class Membership:
         thread when the process exits aborts it (C++ ``terminate``)."""
         _stop_thread(self._stop, self._thread, self.peer_timeout)
 
-    def alive(self) -> list[int]:
-        """The replicas alive now (this one always)."""
-        others = live_replicas(self.store, self.replicas, self.stages)
-        return sorted({*others, self.replica})
-
     def eligible(self) -> list[int]:
         """The members of a new snapshot: the live replicas (the monitor's view) that train —
         none joining, none finished, none marked for a missed arrival — and this one (it is
