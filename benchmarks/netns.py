@@ -290,6 +290,11 @@ class Namespaces:
         self._procs.append(p)
         return p
 
+    def cut(self, index: int, cut: bool = True) -> None:
+        """Take worker ``index``'s link down at the bridge (``cut=False``: up again): a
+        partition. Its packets go nowhere; its connections see no reset, only silence."""
+        _run("ip", "-n", self.bridge_ns, "link", "set", f"p{index}", "down" if cut else "up")
+
     def link_state(self, index: int) -> str:
         w = self.workers[index]
         out = _run("ip", "-n", w.netns, "-j", "link", "show", w.ifname).stdout

@@ -111,7 +111,9 @@ class Flaky:
 @pytest.mark.timeout(60)
 def test_a_failing_heartbeat_backs_off_and_beats_again(store, capfd):
     m = Membership(store, 0, 1, peer_timeout=1.0).start()
-    m._beat_store = Flaky(store, failures=3)
+    flaky = Flaky(store, failures=3)
+    m._beat_store = flaky
+    m._connect = lambda: flaky  # each failure renews the connection: the same flaky one
     time.sleep(3.0)  # backoff 0.4, 0.8, 1.0 s, then beating again
     n = json.loads(store.get(heartbeat_key(0)))["n"]
     time.sleep(0.5)

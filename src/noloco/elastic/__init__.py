@@ -56,6 +56,14 @@ One outcome per all-reduce
     members step on a zero outer gradient — still identical to each other. So the replicas
     that step stay bit-identical whatever breaks when.
 
+Cut off
+    Every store request of a worker has a deadline (:mod:`noloco.elastic.deadline`). A
+    worker whose heartbeat has not gone through for ``--peer-timeout`` is cut off: it is
+    judged dead, nobody waits for it, and it touches the store not at all — NoLoCo
+    exchanges with nobody, DiLoCo skips its outer steps and is behind — so a partitioned
+    replica writes nothing anyone reads (no split brain). When a beat goes through again
+    it is a replica that missed operations (above): back in the next snapshot, or healed.
+
 Store work
     O(1) round trips per replica per operation, whatever the number of replicas; every key
     of an operation has an owner that deletes it a few operations later, so the store holds

@@ -22,6 +22,7 @@ from noloco.comm import (
     quantized_messages,
     ring_all_reduce_bytes,
 )
+from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.keys import missed_key, op_tag, snapshot_key
 from noloco.elastic.membership import Membership, await_value, live_replicas, probe
 from noloco.methods.noloco import groups_of
@@ -38,6 +39,11 @@ KEEP_SNAPSHOTS = 8
 """snapshots are kept longer: a replica that reads a deleted one would write another"""
 
 
+class _Unreachable(Exception):
+    """The run's store cannot be reached now: this worker is cut off (its beats fail), or a
+    request failed and a new connection cannot be made."""
+
+
 class ElasticCommunicator(Communicator):
     """The method's communicator in an elastic run: every operation among the members of its
     snapshot that arrive in time (module docstring). Ranks are replica numbers."""
@@ -45,7 +51,7 @@ class ElasticCommunicator(Communicator):
     def __init__(self, membership: Membership, peer_timeout: float,
                  comm_timeout: float | None = None) -> None:
         super().__init__()
-        self.m, self.store = membership, membership.store
+        self.m = membership
         self.rank, self.size = membership.replica, membership.replicas
         self.ranks = list(range(self.size))
         self.peer_timeout = peer_timeout
@@ -77,6 +83,16 @@ class ElasticCommunicator(Communicator):
         self._seen: tuple[float, int] | None = None
         self._owned: dict[int, list[str]] = {}
         """operation → the store keys this replica deletes once it is old (:meth:`_collect`)"""
+        self.unreachable_ops = 0
+        """operations done alone (NoLoCo) or skipped (DiLoCo: behind) because the run's store
+        could not be reached: a partition"""
+        self._cut = False
+        """the last operation could not reach the store (one event per such period)"""
+
+    @property
+    def store(self) -> Any:
+        # The membership's: it renews the training thread's connection after a failure.
+        return self.m.store
 
     # ---- state (a joining replica takes the donor's operation count) -------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -88,9 +104,44 @@ class ElasticCommunicator(Communicator):
 
     # ---- who takes part ----------------------------------------------------------------------
     def members(self) -> list[int]:
+        """The snapshot of the next operation (:meth:`_snapshot`); only this replica while the
+        run's store cannot be reached (it exchanges with nobody: the others do not wait for
+        it, and it writes nothing anyone reads — no split brain)."""
+        try:
+            return self._snapshot()
+        except (_Unreachable, *store_errors()) as e:
+            self._unreachable(self.calls, e)
+            return [self.rank]
+
+    def _reachable(self) -> None:
+        """Raise :class:`_Unreachable` while cut off; renew a failed connection first."""
+        if self.m.cut_off():
+            raise _Unreachable("cut off: no heartbeat went through for --peer-timeout")
+        if self.m.broken:
+            try:
+                self.m.renew()
+            except Exception as e:  # noqa: BLE001 - any failure to connect: still cut off
+                raise _Unreachable(str(e)) from e
+
+    def _unreachable(self, call: int, error: BaseException) -> None:
+        """An operation that could not reach the run's store. Marked, this replica goes
+        through :meth:`_left_out` when it reaches the store again (catching up first if it
+        fell too far behind)."""
+        if not isinstance(error, _Unreachable):
+            self.m.broken = True
+        self._marked = True
+        self.unreachable_ops += 1
+        if not self._cut:
+            self._cut = True
+            self.events.append({"call": call, "step": self.m.step, "kind": "unreachable",
+                                "error": str(error).splitlines()[0][:200] if str(error)
+                                else type(error).__name__})
+
+    def _snapshot(self) -> list[int]:
         """The snapshot of the next operation, fixed by the first worker of any stage to reach
         it (the stages of a replica share it). One round trip when it is fixed already; the
         writer reads the eligible replicas first (:meth:`Membership.eligible`)."""
+        self._reachable()
         key = snapshot_key(self.calls)
         got = probe(self.store, key)
         if got is None:
@@ -107,6 +158,7 @@ class ElasticCommunicator(Communicator):
                 self._own(self.calls + KEEP_SNAPSHOTS - KEEP_OPS,
                           [key, f"{key}/w", f"{key}/ok"])
         snap = json.loads(got)
+        self._cut = False
         now, step = time.monotonic(), self.m.step
         if self._seen is not None and step > self._seen[1]:
             pace = (now - self._seen[0]) / (step - self._seen[1])
@@ -152,9 +204,15 @@ class ElasticCommunicator(Communicator):
         current one: the store holds a few operations' keys, whatever the run's length. Each
         shared key has an owner among its writers (the first member of an agreement; a late
         member owns what it wrote after), each process-group key the member that wrote it."""
+        if self._cut:
+            return  # later: the store is out of reach
         for call in [c for c in self._owned if c <= self.calls - KEEP_OPS]:
-            for key in self._owned.pop(call):
-                self.store.delete_key(key)
+            try:
+                for key in self._owned.pop(call):
+                    self.store.delete_key(key)
+            except store_errors() as e:
+                self._unreachable(call, e)
+                return
 
     def _agree(self, call: int, group: Sequence[int], attempt: int) -> tuple[list[int], str]:
         """The members of ``group`` that arrived in time (the same list for all of them; this
@@ -225,7 +283,7 @@ class ElasticCommunicator(Communicator):
         # which take as long as the link needs (the arrival deadline was peer_timeout).
         # gloo's rendezvous writes one key per member, "PREFIX/0/RANK" (device 0).
         self._own(call, [f"{tag}/pg/0/{final.index(self.rank)}"])
-        return dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.store),
+        return dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", raw(self.store)),
                                      final.index(self.rank), len(final),
                                      timedelta(seconds=self.transfer_timeout))
 
@@ -241,7 +299,11 @@ class ElasticCommunicator(Communicator):
         tensor = tensor.contiguous()
         bufs = list(out) if out is not None else [torch.empty_like(tensor) for _ in peers]
         group = sorted([self.rank, *peers])
-        final, tag = self._agree(call, group, 0)
+        try:
+            final, tag = self._agree(call, group, 0)
+        except store_errors() as e:
+            self._unreachable(call, e)
+            return _Done(self, [None] * len(peers))
         present = [p for p in peers if p in final and self.rank in final]
         self.longest_wait = max(self.longest_wait, self.last_agree_seconds)
         if not present:
@@ -312,10 +374,17 @@ class ElasticCommunicator(Communicator):
         """``mean(process group, members)`` (which leaves the mean in ``tensor`` and returns
         the bytes sent) among the snapshot's replicas that arrive."""
         call = self.calls
-        candidates = self.members()
+        try:
+            candidates = self._snapshot()
+        except (_Unreachable, *store_errors()) as e:  # no quorum reachable: behind
+            candidates = []
+            self._unreachable(call, e)
         self.calls += 1
         self.ops[op] += 1
         self._collect()
+        if self._cut:
+            self.behind = True
+            return _Done(self, None)
         if self.rank not in candidates:  # dropped while silent: this step alone
             self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
             self.behind = len(candidates) > 0
@@ -324,6 +393,11 @@ class ElasticCommunicator(Communicator):
         start = time.perf_counter()
         try:
             return self._all_reduce(call, tensor, original, candidates, mean)
+        except store_errors() as e:  # the outcome is unknown here: take a committed state
+            tensor.copy_(original)
+            self.behind = True
+            self._unreachable(call, e)
+            return _Done(self, None)
         finally:
             self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
 

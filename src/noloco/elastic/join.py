@@ -26,6 +26,7 @@ import torch.distributed as dist
 from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError
 from noloco.config import ConfigError
+from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.keys import PREFIX, join_key
 from noloco.elastic.membership import await_value
 from noloco.errors import Superseded
@@ -77,13 +78,27 @@ class Joining:
         if m.owner is not None:  # fenced: a newer process owns this replica's id
             raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
         m.behind = self.comm.behind  # a behind replica is no donor (its heartbeat says so)
+        if m.cut_off():
+            return  # cut off: nobody to heal from, nobody can ask (the others see it dead)
+        if m.broken:
+            try:
+                m.renew()
+            except Exception:  # noqa: BLE001 - the store is still out of reach: later
+                return
         if self.comm.behind:
-            m.beat()
-            self.heal()
+            m.nudge()
+            try:
+                self.heal()
+            except store_errors():  # cut off while healing: again once the store answers
+                m.broken = True
+                return
             m.behind = self.comm.behind
-            m.beat()  # healed: eligible for the very next snapshot
+            m.nudge()  # healed: eligible for the very next snapshot
         if self.lay.stages > 1:
-            self._serve_staged()
+            try:
+                self._serve_staged()
+            except store_errors():  # out of reach: the joiner asks another donor
+                m.broken = True
             return
         store = self.membership.store
         counter = join_key(self.lay.replica)
@@ -104,6 +119,8 @@ class Joining:
                 for key in (tag, f"{tag}/go"):
                     store.delete_key(key)
             except RuntimeError as e:  # the joiner died meanwhile: go on
+                if isinstance(e, store_errors()):
+                    m.broken = True
                 print(f"noloco: replica {self.lay.replica}: a state transfer (request "
                       f"{self.served}) failed ({str(e).splitlines()[0][:120]})",
                       file=sys.stderr, flush=True)
@@ -173,7 +190,7 @@ class Joining:
         buf = io.BytesIO()
         torch.save(self.live_state(), buf)
         blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 0, 2,
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 0, 2,
                                    timedelta(seconds=self._transfer_timeout()))
         pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
         pg.send([blob], 1, 1).wait()
@@ -238,7 +255,8 @@ class Joining:
                 continue
             before = self.state.step
             self._adopt(state, own)
-            self.joins.append({"kind": kind, "from": donor, "step": self.state.step,
+            self.joins.append({"kind": kind, "replica": self.lay.replica, "from": donor,
+                               "step": self.state.step,
                                "step_before": before, "bytes": nbytes,
                                "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum(),
@@ -280,7 +298,8 @@ class Joining:
                             f"from replica {c['donor']} ({str(e).splitlines()[0][:120]})"
                             ) from None
         self._adopt(state, own)
-        self.joins.append({"kind": "joined", "from": c["donor"], "stage": lay.stage,
+        self.joins.append({"kind": "joined", "replica": lay.replica, "from": c["donor"],
+                           "stage": lay.stage,
                            "step": self.state.step, "bytes": nbytes,
                            "seconds": time.perf_counter() - t0, "checksum": self.checksum(),
                            "own_checkpoint_step": own.get("step") if own else None})
@@ -291,7 +310,7 @@ class Joining:
 
     def _receive_state(self, tag: str) -> tuple[dict[str, Any], int]:
         """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", self.membership.store), 1, 2,
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 1, 2,
                                    timedelta(seconds=self._transfer_timeout()))
         size = torch.zeros(1, dtype=torch.int64)
         pg.recv([size], 0, 0).wait()

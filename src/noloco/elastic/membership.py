@@ -11,8 +11,13 @@ key, so a replica learns who is alive with one read instead of scanning N heartb
 whose wall clocks disagree by any amount — or jump — judge each other the same way.
 
 Each worker beats from a thread with its own store connection (a training thread blocked in
-a store wait cannot hold the heartbeat up), and a failed beat is retried with backoff, never
-the end of the heartbeat.
+a store wait cannot hold the heartbeat up), and a failed beat is retried with backoff on a new
+connection (one that timed out may be out of step), never the end of the heartbeat. A worker
+that has not beaten for ``--peer-timeout`` is *cut off* (:meth:`Membership.cut_off`): the
+monitor has judged it dead, so it stops exchanging — it trains on alone, touching the store
+not at all — until a beat goes through again; then it is back as a replica that missed
+operations (see :mod:`noloco.elastic.communicator`). Every store request of the worker has a
+deadline of ``--peer-timeout`` (waits have their own): a partition cannot hold it longer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from noloco.elastic.deadline import connect, request_deadline
 from noloco.elastic.keys import (
     heartbeat_key,
     join_key,
@@ -42,15 +48,11 @@ def _stop_thread(event: threading.Event, thread: threading.Thread | None,
         thread.join(timeout)
 
 
-def own_client(store: Any) -> Any:
-    """A second connection to the same TCPStore (the store itself when it is of another
-    kind or cannot be reached again)."""
-    import torch.distributed as dist
-
-    if not isinstance(store, dist.TCPStore):
-        return store
+def own_client(store: Any, timeout: float = 30.0) -> Any:
+    """A second connection to the same TCPStore, every request bounded by ``timeout`` (the
+    store itself when it is of another kind or cannot be reached again)."""
     try:
-        return dist.TCPStore(store.host, store.port, None, False, timedelta(seconds=30))
+        return connect(store, timeout)
     except Exception:  # noqa: BLE001 - share the caller's connection rather than fail
         return store
 
@@ -81,6 +83,22 @@ class Membership:
         """heartbeats written so far: the counter the monitor watches move"""
         self.beat_failures = 0
         self._beat_store = store
+        self.store_timeout = request_deadline(peer_timeout)
+        """the deadline of one store request (not of a wait): longer, and the store is as good
+        as unreachable — the monitor judges a worker dead after ``peer_timeout`` anyway"""
+        self.last_beat = time.monotonic()
+        """when the last beat went through (this process's monotonic clock)"""
+        self.broken = False
+        """a request of the training thread's connection failed: renew it before the next
+        (:meth:`renew`); a timed-out connection may deliver an old answer to a new request"""
+        self.cuts: list[dict[str, Any]] = []
+        """periods this worker could not beat for longer than ``peer_timeout`` (cut off, or
+        the whole process stopped): from and to which step, how many seconds"""
+        self._beat_step = 0
+        """the step of the last beat that went through"""
+        self._failing = False
+        """beats fail (rather than not being tried): the store is out of reach"""
+        self._connect = lambda: connect(self.store, self.store_timeout)
         self._beat_lock = threading.Lock()
         self.owner: int | None = None
         """a newer incarnation that took this replica over (then this one writes nothing more
@@ -101,7 +119,8 @@ class Membership:
         ``beat_store`` (default: a connection of its own). ``thread=False``: the caller beats
         (many light members of one process, in a benchmark, share one thread)."""
         self.claim()
-        self._beat_store = own_client(self.store) if beat_store is None else beat_store
+        self._beat_store = (own_client(self.store, self.store_timeout) if beat_store is None
+                            else beat_store)
         self.store.compare_set(settings_key(), "", json.dumps(
             {"replicas": self.replicas, "stages": self.stages,
              "peer_timeout": self.peer_timeout}))
@@ -118,11 +137,41 @@ class Membership:
         with self._beat_lock:
             if self.owner is not None:  # fenced: the newer owner's heartbeat is the replica's
                 return
+            if self._beat_store is None:  # the last beat failed: a new connection
+                self._beat_store = self._connect()
             self.beats += 1
             self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
                  **({"done": True} if done else {})}))
+            now = time.monotonic()
+            if now - self.last_beat > self.peer_timeout:  # it was cut off meanwhile
+                self.cuts.append({"replica": self.replica, "stage": self.stage,
+                                  "from_step": self._beat_step, "to_step": self.step,
+                                  "seconds": round(now - self.last_beat, 2),
+                                  "cause": "unreachable" if self._failing else "stopped"})
+                print(f"noloco: replica {self.replica}: beating again after "
+                      f"{now - self.last_beat:.1f} s cut off (steps {self._beat_step}-"
+                      f"{self.step} without the others)", file=sys.stderr, flush=True)
+            self.last_beat, self._beat_step, self._failing = now, self.step, False
+
+    def nudge(self) -> None:
+        """Beat now, from the training thread, to publish a changed flag at once; a failure is
+        the beat thread's to retry."""
+        with contextlib.suppress(Exception):
+            self.beat()
+
+    def cut_off(self) -> bool:
+        """No beat went through for ``peer_timeout``: the monitor has judged this worker dead,
+        its partners no longer wait for it, and it must not wait for them (module
+        docstring). Only a worker with a beat thread can tell."""
+        return (self._thread is not None and self.owner is None
+                and time.monotonic() - self.last_beat > self.peer_timeout)
+
+    def renew(self) -> None:
+        """A new connection for the training thread after one of its requests failed."""
+        self.store = self._connect()
+        self.broken = False
 
     def _loop(self) -> None:
         wait = self.interval
@@ -139,18 +188,30 @@ class Membership:
                 wait = self.interval
             except Exception as e:  # noqa: BLE001 - the store unreachable for a while
                 self.beat_failures += 1
-                if self.beat_failures == 1:
+                if not self._failing:
+                    self._failing = True
                     print(f"noloco: replica {self.replica}: a heartbeat failed "
                           f"({str(e).splitlines()[0][:120]}); retrying", file=sys.stderr,
                           flush=True)
+                if self._beat_store is not self.store:  # a connection of its own: renew it
+                    self._beat_store = None
                 wait = min(2 * wait, self.peer_timeout)  # back off, never give up
 
     def finish(self) -> None:
         """Announce that this replica finished: nobody waits for it any more."""
         self.stop()
-        self._beat_store = self.store  # the beat thread's connection may be gone with it
         with contextlib.suppress(Exception):  # the store may be gone with the run
+            if self.broken:
+                self.renew()
+            self._beat_store = self.store  # the beat thread's connection may be gone with it
             self.beat(done=True)
+        if self._thread is not None and time.monotonic() - self.last_beat > self.peer_timeout:
+            # cut off to the end: the period is open
+            self.cuts.append({"replica": self.replica, "stage": self.stage,
+                              "from_step": self._beat_step, "to_step": self.step,
+                              "seconds": round(time.monotonic() - self.last_beat, 2),
+                              "cause": "unreachable" if self._failing else "stopped",
+                              "open": True})
 
     def stop(self) -> None:
         """Stop beating, and wait for a beat in flight: a store call still running on the

@@ -33,6 +33,7 @@ from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic.communicator import ElasticCommunicator
+from noloco.elastic.deadline import DeadlineStore, request_deadline
 from noloco.elastic.join import Joining
 from noloco.elastic.keys import PREFIX, join_key
 from noloco.elastic.membership import Membership
@@ -122,6 +123,7 @@ class ElasticTrainer(Joining, Trainer):
             / ckpt_mod.shard_name(f"replica-{lay.replica}", lay.stage, lay.stages),
             dict(named), {"step": str(self.state.step), "method": self.cfg.method.method})
         comm: ElasticCommunicator = self.comm  # type: ignore[assignment]
+        self.membership.finish()  # nobody waits for it now; a cut still open is listed
         summary = {
             "replica": self.lay.replica, "stage": self.lay.stage,
             "incarnation": self.membership.incarnation,
@@ -132,6 +134,7 @@ class ElasticTrainer(Joining, Trainer):
             "wall_seconds": self.wall_seconds(), "partial_operations": comm.partial,
             "retries": comm.retries, "longest_wait_seconds": comm.longest_wait,
             "arrival_seconds": comm.arrival_seconds,
+            "partitions": self.membership.cuts, "unreachable_ops": comm.unreachable_ops,
             "ops": dict(comm.ops),
             "events": comm.events, "joins": self.joins,
             "served": self.served, "resumed_from_step": self.resumed_from,
@@ -141,7 +144,6 @@ class ElasticTrainer(Joining, Trainer):
         }
         write_json_atomic(replica_summary(self.rundir.path, lay.replica, lay.stage, lay.stages),
                           summary)
-        self.membership.finish()
         return summary
 
 
@@ -166,8 +168,12 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     # machine's command run again after a crash, joins from the live replicas.
     incarnation = store.add(f"{PREFIX}/starts/{replica}/{stage}", 1) - 1
     status.store, status.attempt = store, incarnation  # the launcher reads a failure report
-    membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation, stage,
-                            m.stages).start()
+    # From here every request has a deadline (connecting above waited for a coordinator that
+    # may start after this machine): a partition holds no request longer than the peer
+    # timeout (noloco.elastic.deadline).
+    membership = Membership(DeadlineStore(store, request_deadline(m.peer_timeout)), replica,
+                            m.replicas, m.peer_timeout, incarnation, stage, m.stages).start()
+    status.store = membership.store
     if m.stages > 1:
         # The replica's stages: a world of their own, on a store prefix of this incarnation
         # (a respawned replica must not read its dead predecessor's addresses).
@@ -223,6 +229,9 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
                            "retries": sum(x["retries"] for x in stages),
                            "events": [e for x in stages for e in x["events"]],
                            "joins": [j for x in stages for j in x["joins"]],
+                           "partitions": [c for x in stages for c in x.get("partitions", [])],
+                           "unreachable_ops": max(x.get("unreachable_ops", 0)
+                                                  for x in stages),
                            "param_bytes": sum(x["param_bytes"] for x in stages)}
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in range(m.replicas):
@@ -276,6 +285,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         "arrival_seconds_per_replica": {str(r): s.get("arrival_seconds", 0.0)
                                         for r, s in finished.items()},
         "events": {str(r): s["events"] for r, s in finished.items()},
+        "partitions": [c for s in finished.values() for c in s["partitions"]],
+        "unreachable_operations": {str(r): s["unreachable_ops"] for r, s in finished.items()},
         "failures": failures,
         "joins": joins + [j for s in finished.values() for j in s["joins"]],
         "weight_spread": spread,
