@@ -45,6 +45,24 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def join_streams(own: dict[str, Any] | None, seed: int, rank: int, step: int) -> None:
+    """The random streams of a replica that joins (dropout's, and any other draw from the
+    global generators): its own checkpoint's when it has one, else fresh ones keyed by
+    (seed, rank, the step it joins at) — a respawn without a checkpoint would otherwise draw
+    its first life's numbers again, from step 0."""
+    import random
+
+    import numpy as np
+
+    if own is not None and "rng" in own:
+        ckpt_mod.set_rng_state(own["rng"])
+        return
+    key = (seed * 1009 + rank) * 1_000_003 + step
+    torch.manual_seed(key)
+    random.seed(key)
+    np.random.seed(key % 2**32)
+
+
 class Joining:
     """The join and heal protocol of :class:`noloco.elastic.worker.ElasticTrainer` (a mixin:
     it uses the trainer's membership, layout, state, method and optimizers)."""
@@ -68,9 +86,18 @@ class Joining:
     # ---- join: donor side ------------------------------------------------------------------
     def live_state(self) -> dict[str, Any]:
         """What a joining replica takes from its donor (everything but the inner optimizer,
-        the data position and the random streams, which are the joiner's own)."""
+        the data position and the random streams, which are the joiner's own:
+        :meth:`_adopt`). Slow weights equal to the fast ones — a DiLoCo replica between its
+        outer step and its next inner step — are not sent twice: ``phi_is_model`` names those
+        fragments, and the joiner rebuilds them from the model it receives."""
+        method = self.method.state_dict()
+        frags = getattr(self.method, "frags", [])
+        same = [i for i, f in enumerate(frags) if f.numel() and torch.equal(f.slow(), f.fast())]
+        if same:
+            method = {**method, "phi": [None if i in same else phi
+                                        for i, phi in enumerate(method["phi"])]}
         return {"model": {n: p.detach().clone() for n, p in self.runner.named_parameters()},
-                "method": self.method.state_dict(), "comm_calls": self.comm.calls,
+                "method": method, "phi_is_model": same, "comm_calls": self.comm.calls,
                 "step": self.state.step, "donor": self.lay.replica}
 
     def between_steps(self) -> None:
@@ -190,8 +217,9 @@ class Joining:
         buf = io.BytesIO()
         torch.save(self.live_state(), buf)
         blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 0, 2,
-                                   timedelta(seconds=self._transfer_timeout()))
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 0, 2,
+            timedelta(seconds=self._transfer_timeout()))
         pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
         pg.send([blob], 1, 1).wait()
         # Both ends are connected (the joiner received): the rendezvous key is spent.
@@ -254,7 +282,7 @@ class Joining:
                 failed.append(donor)
                 continue
             before = self.state.step
-            self._adopt(state, own)
+            self._adopt(state, own, new_life=kind == "joined")
             self.joins.append({"kind": kind, "replica": self.lay.replica, "from": donor,
                                "step": self.state.step,
                                "step_before": before, "bytes": nbytes,
@@ -297,7 +325,7 @@ class Joining:
             raise CommError(f"replica {lay.replica} stage {lay.stage} could not take its state "
                             f"from replica {c['donor']} ({str(e).splitlines()[0][:120]})"
                             ) from None
-        self._adopt(state, own)
+        self._adopt(state, own, new_life=True)
         self.joins.append({"kind": "joined", "replica": lay.replica, "from": c["donor"],
                            "stage": lay.stage,
                            "step": self.state.step, "bytes": nbytes,
@@ -310,8 +338,9 @@ class Joining:
 
     def _receive_state(self, tag: str) -> tuple[dict[str, Any], int]:
         """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 1, 2,
-                                   timedelta(seconds=self._transfer_timeout()))
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 1, 2,
+            timedelta(seconds=self._transfer_timeout()))
         size = torch.zeros(1, dtype=torch.int64)
         pg.recv([size], 0, 0).wait()
         blob = torch.empty(int(size.item()), dtype=torch.uint8)
@@ -329,15 +358,27 @@ class Joining:
         return sd if step is not None else None
 
     @torch.no_grad()
-    def _adopt(self, state: dict[str, Any], own: dict[str, Any] | None) -> None:
+    def _adopt(self, state: dict[str, Any], own: dict[str, Any] | None,
+               new_life: bool = False) -> None:
+        """Take a live state. ``new_life`` (a respawned or relaunched replica, not a heal):
+        its random streams are its own checkpoint's, or else fresh ones keyed by the step
+        it joins at — never its first life's from step 0 again (:func:`join_streams`)."""
         named = dict(self.runner.named_parameters())
         for name, p in named.items():
             p.copy_(state["model"][name])
-        self.method.load_state_dict(state["method"])
+        method = state["method"]
+        if state.get("phi_is_model"):  # slow weights the donor did not send: its model's
+            phi = list(method["phi"])
+            for i in state["phi_is_model"]:
+                phi[i] = self.method.frags[i].fast().clone()
+            method = {**method, "phi": phi}
+        self.method.load_state_dict(method)
         self.comm.calls = int(state["comm_calls"])
         if own is not None:  # this replica's own inner optimizer and data position
             self.inner.load_state_dict(own["optimizer"])
             self.reader.load_state_dict(own["reader"])
+        if new_life:
+            join_streams(own, self.cfg.train.seed, self.lay.rank, int(state["step"]))
         self.state.step = self.status.step = int(state["step"])
         self.membership.step = self.state.step
         self.resumed_from = self.state.step

@@ -1,0 +1,82 @@
+"""What a join's state carries: slow weights equal to the model are sent once, and a joining
+replica's random streams are its own (not its first life's from step 0)."""
+
+from __future__ import annotations
+
+import io
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from noloco.comm import NullCommunicator
+from noloco.config import Config, MethodConfig
+from noloco.elastic.join import Joining, join_streams
+from noloco.methods import build_method
+
+
+class Replica(Joining):
+    """The parts of an elastic trainer a join touches: a model, its method, counters."""
+
+    def __init__(self, method: str, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        cfg = Config(method=MethodConfig(method=method, sync_every=4, replicas=2))
+        cfg = cfg.resolved().method
+        self.method = build_method(cfg, list(self.model.named_parameters()),
+                                   NullCommunicator())
+        self.runner = SimpleNamespace(named_parameters=self.model.named_parameters)
+        self.params = list(self.model.parameters())
+        self.comm = SimpleNamespace(calls=3, behind=True, back=lambda: None)
+        self.state = SimpleNamespace(step=8)
+        self.status = SimpleNamespace(step=8)
+        self.membership = SimpleNamespace(step=8)
+        self.lay = SimpleNamespace(replica=0, rank=0)
+        self.cfg = SimpleNamespace(train=SimpleNamespace(seed=0))
+        self.resumed_from = None
+
+
+def wire_bytes(state: dict) -> int:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return len(buf.getvalue())
+
+
+@pytest.mark.parametrize("method", ["diloco", "noloco"])
+def test_slow_weights_equal_to_the_model_are_sent_once(method):
+    donor, joiner = Replica(method, 0), Replica(method, 1)
+    fresh = donor.live_state()  # φ = θ, as right after an outer step
+    assert fresh["phi_is_model"] == [0] and fresh["method"]["phi"] == [None]
+    joiner._adopt(fresh, None)
+    assert joiner.checksum() == donor.checksum()  # model, φ and outer momentum: the donor's
+    with torch.no_grad():  # an inner step later: φ ≠ θ, sent in full
+        for p in donor.model.parameters():
+            p.add_(0.01)
+    moved = donor.live_state()
+    assert moved["phi_is_model"] == []
+    joiner._adopt(moved, None)
+    assert joiner.checksum() == donor.checksum()
+    weights = sum(p.numel() for p in donor.params) * 4
+    assert wire_bytes(moved) - wire_bytes(fresh) >= weights  # one copy of the weights less
+
+
+def test_a_joiner_draws_its_own_random_numbers_not_its_first_lifes():
+    def draws() -> tuple:
+        return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+    torch.manual_seed(0 * 1009 + 2)  # replica 2's first life, as the trainer seeds it
+    first_life = draws()
+    join_streams(None, seed=0, rank=2, step=40)
+    at_40 = draws()
+    assert at_40 != first_life
+    join_streams(None, seed=0, rank=2, step=40)
+    assert draws() == at_40  # keyed by seed, rank and step: reproducible
+    join_streams(None, seed=0, rank=3, step=40)
+    assert draws() != at_40  # another replica: another stream
+    from noloco import checkpoint as ckpt_mod
+    saved = ckpt_mod.rng_state()
+    expected = draws()
+    join_streams({"rng": saved}, seed=0, rank=2, step=40)  # its own checkpoint's streams
+    assert draws() == expected
