@@ -15,6 +15,9 @@ CASES = {
     "single": (["--method", "single", "--dropout", "0.1", "--checkpoint-every", "3"], 6, 3),
     "ddp": (["--method", "ddp", "--replicas", "2", "--dropout", "0.1",
              "--checkpoint-every", "3"], 6, 3),
+    # gradient accumulation: the data position counts microbatches
+    "ddp-accum": (["--method", "ddp", "--replicas", "2", "--grad-accum", "3",
+                   "--checkpoint-every", "3"], 6, 3),
     "diloco": (["--method", "diloco", "--replicas", "2", "--sync-every", "3"], 6, 3),
     "noloco": (["--method", "noloco", "--replicas", "2", "--sync-every", "3"], 6, 4),
     # τ = 1: fragment 0's sync starts after step 4, the checkpoint's step, and lands at 5.

@@ -24,6 +24,7 @@ METHODS = ("single", "ddp", "diloco", "noloco", "streaming")
 ROUTINGS = ("random", "fixed")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 QUANT_FORMATS = ("none", "fp4", "int8", "fp8")
+PRECISIONS = ("fp32", "bf16")
 
 
 def opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
@@ -73,6 +74,9 @@ class OptimConfig:
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
     grad_clip: float = opt(1.0, "clip the gradient norm to this (0 disables)")
+    grad_accum: int = opt(
+        1, "gradient accumulation: each inner step averages the gradients of K microbatches of "
+        "--batch-size sequences (a global batch K times larger in the same memory)")
     schedule_steps: int | None = opt(
         None, "inner steps the learning-rate schedule spans (warm-up, then cosine to lr/10); "
         "default --steps. Set it above --steps to train the first part of a longer run and "
@@ -178,6 +182,10 @@ class TrainConfig:
         "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
         "first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
+    precision: str = opt(
+        "fp32", "fp32, or bf16: bf16 autocast for forward and backward (activations sent between "
+        "pipeline stages in bf16); master weights, optimizer state, slow weights and all that "
+        "replicas exchange stay fp32 (--quantize decides that)")
     wandb: bool = opt(
         False, "also log every metric to Weights & Biases in offline mode under OUT/wandb/ "
         "(needs the 'wandb' extra; `wandb sync` uploads it later)")
@@ -247,6 +255,13 @@ class Config:
         if t.threads is not None:
             _positive("--threads", t.threads)
         _positive("--batch-size", d.batch_size)
+        _positive("--grad-accum", o.grad_accum)
+        if t.precision not in PRECISIONS:
+            raise ConfigError(f"unknown --precision {t.precision!r} (choose from "
+                              f"{', '.join(PRECISIONS)})")
+        if o.grad_accum > 1 and m.stages > 1:
+            raise ConfigError("--grad-accum with --stages > 1: a pipeline accumulates over its "
+                              "--microbatches already (raise --batch-size and --microbatches)")
         _positive("--seq-len", d.seq_len)
         _positive("--eval-every", t.eval_every)
         _positive("--eval-sequences", t.eval_sequences)

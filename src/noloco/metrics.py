@@ -353,6 +353,8 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "peak_step_bytes": int(gather_scalars(trainer.world, lay, [st.peak_step_bytes],
                                               "max")[0]),
         "activation_bytes": rec["activation_bytes"],
+        "ops": dict(trainer.comm.ops),  # rank 0's: every replica issues the same sequence
+        "grad_accum": trainer.cfg.optim.grad_accum,
         "sync_seconds": rec["sync_seconds"],
         "compute_seconds": stats[0],
         "step_seconds": stats[0] / t.steps,

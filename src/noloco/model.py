@@ -212,5 +212,12 @@ def build(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None 
         return Transformer(args)
 
 
+def autocast(device: torch.device, precision: str) -> torch.autocast:
+    """The forward pass's precision (``--precision``): bf16 autocast, or nothing (fp32).
+    Parameters, their gradients and everything computed from them outside the forward pass
+    stay fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -55,7 +55,7 @@ from torch import nn
 
 from noloco.comm import posting, wait_works
 from noloco.config import Config
-from noloco.model import Transformer, lm_loss
+from noloco.model import Transformer, autocast, lm_loss
 from noloco.split import stage_blocks
 
 _ROUTE_SALT = 0x726F757465  # "route": keeps routing draws apart from other seeded streams
@@ -194,6 +194,9 @@ class PipelineRunner:
         self.lay, self.device = lay, device
         self.stage = build_stage(model, lay.stages, lay.stage)
         self.dim = model.args.dim if isinstance(model, Transformer) else model.config.hidden_size
+        self.precision = cfg.train.precision
+        self.wire = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        """the dtype of activations and their gradients between stages (bytes counted so)"""
         self.batch_size = cfg.data.batch_size
         self.microbatches = m.microbatches or default_microbatches(self.batch_size, lay.stages)
         if self.microbatches > self.batch_size:
@@ -269,7 +272,7 @@ class PipelineRunner:
             n, t = xs[m].shape
             if not st.first:
                 src = lay.global_rank(self.router.prev_replica(g, s - 1, me), s - 1)
-                buf = torch.empty(n, t, self.dim)
+                buf = torch.empty(n, t, self.dim, dtype=self.wire)
                 w = self._recv(buf, src, 4 * m + _ACT)
                 lw, lbuf = None, None
                 if carry_labels:
@@ -278,7 +281,7 @@ class PipelineRunner:
                 act_in[m] = (w, buf, lw, lbuf, src)
             if not st.last:
                 src = lay.global_rank(self.router.next_replica(g, s, me), s + 1)
-                buf = torch.empty(n, t, self.dim)
+                buf = torch.empty(n, t, self.dim, dtype=self.wire)
                 grad_in[m] = (self._recv(buf, src, 4 * m + _GRAD), buf, src)
 
         stash: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -288,16 +291,20 @@ class PipelineRunner:
             if op == "F":
                 if st.first:
                     x, labels = None, ys[m]
-                    out = st(xs[m])
+                    with autocast(self.device, self.precision):
+                        out = st(xs[m])
                 else:
                     w, buf, lw, lbuf, src = act_in.pop(m)
                     self._wait([w] if lw is None else [w, lw], src, "pipeline receive")
                     labels = lbuf.to(self.device, torch.int64) if lbuf is not None else ys[m]
-                    x = buf.to(self.device).requires_grad_(True)
-                    out = st(x)
+                    # fp32 inside the stage whatever travelled (the residual stream stays fp32)
+                    x = buf.to(self.device, torch.float32).requires_grad_(True)
+                    with autocast(self.device, self.precision):
+                        out = st(x)
                 if st.last:
                     weight = xs[m].shape[0] / self.batch_size
-                    loss = lm_loss(out, labels)
+                    with autocast(self.device, self.precision):
+                        loss = lm_loss(out, labels)
                     (loss * weight).backward()
                     losses.append((loss.detach(), weight))
                     if x is not None:  # P ≥ 2 here: the last stage is never the first
@@ -315,7 +322,7 @@ class PipelineRunner:
                 x, out = stash.pop(m)
                 w, buf, src = grad_in.pop(m)
                 self._wait([w], src, "pipeline receive")
-                out.backward(buf.to(self.device))
+                out.backward(buf.to(self.device, out.dtype))
                 if x is not None:
                     dst = lay.global_rank(self.router.prev_replica(g, s - 1, me), s - 1)
                     sends.append(self._send(x.grad, dst, 4 * m + _GRAD))
@@ -340,18 +347,21 @@ class PipelineRunner:
         src = lay.global_rank(me, s - 1) if not st.first else -1
         if not st.first:
             for b, (x, _) in enumerate(batches):
-                buf = torch.empty(*x.shape, self.dim)
+                buf = torch.empty(*x.shape, self.dim, dtype=self.wire)
                 ins.append((self._recv(buf, src, 4 * b + _EVAL), buf))
         sends, total = [], 0.0
         for b, (x, y) in enumerate(batches):
             if st.first:
-                h = st(x)
+                with autocast(self.device, self.precision):
+                    h = st(x)
             else:
                 w, buf = ins[b]
                 wait_works([w], "pipeline receive (evaluation)", [src], self.watchdog)
-                h = st(buf.to(self.device))
+                with autocast(self.device, self.precision):
+                    h = st(buf.to(self.device, torch.float32))
             if st.last:
-                total += lm_loss(h, y).item() * len(y)  # weighted: the last batch may be smaller
+                with autocast(self.device, self.precision):  # weighted: a last batch may be smaller
+                    total += lm_loss(h, y).item() * len(y)
             else:
                 work, h, dst = self._send(h, lay.global_rank(me, s + 1), 4 * b + _EVAL,
                                           count=False)
@@ -384,7 +394,9 @@ class PipelineRunner:
     # ---- plumbing --------------------------------------------------------------------------
     def _send(self, t: torch.Tensor, dst: int, tag: int, count: bool = True
               ) -> tuple[Any, torch.Tensor, int]:
-        t = t.detach().to("cpu").contiguous()  # kept alive until the send is waited for
+        # kept alive until the send is waited for; labels keep their integer type
+        t = t.detach().to("cpu", t.dtype if not t.is_floating_point() else self.wire)
+        t = t.contiguous()
         if count:
             self.activation_bytes += t.numel() * t.element_size()
         with posting("pipeline send", [dst], self.watchdog):  # a peer gone fails at once

@@ -34,7 +34,7 @@ from noloco.metrics import (
     process_age_seconds,
     run_summary,
 )
-from noloco.model import build, count_params, lm_loss, preset
+from noloco.model import autocast, build, count_params, lm_loss, preset
 from noloco.rundir import RunDir
 from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
@@ -63,10 +63,13 @@ def weights_checksum(params: list[torch.Tensor]) -> int:
 class LocalRunner:
     """One stage holds the whole model: forward and backward in this process."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None,
+                 precision: str = "fp32") -> None:
         self.model = model
         self.activation_bytes = 0
         self.watchdog = None
+        self.device = device or next(model.parameters()).device
+        self.precision = precision
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self.model.parameters())
@@ -77,17 +80,21 @@ class LocalRunner:
     def clip_grad_norm_(self, max_norm: float) -> float:
         return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int
-                   ) -> float | None:
-        loss = lm_loss(self.model(inputs), targets)
-        loss.backward()
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int,
+                   scale: float = 1.0) -> float | None:
+        """Forward and backward of one batch; its gradient, times ``scale``, is added to the
+        parameters' (``1/K`` for each of K accumulated microbatches)."""
+        with autocast(self.device, self.precision):
+            loss = lm_loss(self.model(inputs), targets)
+        (loss * scale if scale != 1.0 else loss).backward()
         return loss.item()
 
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
         self.model.eval()
         # Weighted by sequences: the last batch may be smaller.
-        total = sum(lm_loss(self.model(x), y).item() * len(x) for x, y in batches)
+        with autocast(self.device, self.precision):
+            total = sum(lm_loss(self.model(x), y).item() * len(x) for x, y in batches)
         self.model.train()
         return total / sum(len(x) for x, _ in batches)
 
@@ -168,11 +175,11 @@ class Trainer:
             from noloco.pipeline import PipelineRunner
             self.runner: Any = PipelineRunner(model, cfg, self.pipeline_layout(), device)
         else:
-            self.runner = LocalRunner(model)
+            self.runner = LocalRunner(model, device, t.precision)
         self.params = self.runner.parameters()
         # Named parameters let streaming methods cut fragments by block (global block names).
         self.method = build_method(m, self.runner.named_parameters(), self.comm, seed=t.seed,
-                                   n_layers=n_layers)
+                                   n_layers=n_layers, backward_passes=o.grad_accum)
         self.inner = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),
                                        weight_decay=o.weight_decay)
         torch.manual_seed(t.seed * 1009 + lay.rank)  # dropout differs per worker, on purpose
@@ -190,8 +197,24 @@ class Trainer:
         self.state = LoopState()
         self.resumed_from: int | None = None
         self.t_loop = time.perf_counter()
-        self.tokens_per_step = d.batch_size * d.seq_len
+        self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
+
+    def accumulate(self, step: int) -> float | None:
+        """The inner step's gradient: the mean over ``--grad-accum`` microbatches, each read
+        in turn (the reader's position counts microbatches, so a resume stays bit-exact) and
+        weighted 1/K — equal microbatches make it the gradient of their concatenation. The
+        method syncs once, after the last (DDP: one all-reduce per inner step)."""
+        k = self.cfg.optim.grad_accum
+        losses = []
+        scale = () if k == 1 else (1.0 / k,)  # a pipeline runner takes no scale (k is 1)
+        for _ in range(k):
+            inputs, targets = self.reader.next_batch()
+            losses.append(self.runner.train_step(inputs.to(self.device),
+                                                 targets.to(self.device), step, *scale))
+        if losses[0] is None:  # a pipeline stage before the last: no loss here
+            return None
+        return sum(losses) / k
 
     def make_comms(self) -> tuple[Communicator, Communicator]:
         """(the method's communicator, the metrics communicator over all workers)"""
@@ -335,8 +358,7 @@ class Trainer:
             lr = lr_at(step, o.lr, o.warmup, o.schedule_steps)
             for g in inner.param_groups:
                 g["lr"] = lr
-            inputs, targets = self.reader.next_batch()
-            loss = runner.train_step(inputs.to(self.device), targets.to(self.device), step)
+            loss = self.accumulate(step)
             sync0, bytes0 = comm.sync_seconds, comm.bytes_sent
             method.sync_gradients()
             if o.grad_clip > 0:

@@ -23,11 +23,13 @@ __all__ = ["DDP", "DiLoCo", "FragmentSchedule", "Method", "NoLoCo", "OuterSync",
 
 def build_method(cfg: MethodConfig,
                  model: nn.Module | Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                 comm: Communicator, seed: int = 0, n_layers: int | None = None) -> Method:
+                 comm: Communicator, seed: int = 0, n_layers: int | None = None,
+                 backward_passes: int = 1) -> Method:
     """The method a resolved config names, over this stage's replicas (``comm``).
 
     ``model`` may be a module, plain parameters, or ``(name, parameter)`` pairs named as in
     the whole model (what fragments need; ``n_layers`` is the whole model's block count).
+    ``backward_passes``: per inner step (gradient accumulation).
     """
     if cfg.method == "streaming":
         return StreamingDiLoCo(
@@ -47,8 +49,9 @@ def build_method(cfg: MethodConfig,
     if cfg.method == "single":
         return Single(model, comm)
     if cfg.method == "ddp":
-        # A pipeline stage runs backward once per microbatch: no overlap with it.
-        return DDP(model, comm, overlap=cfg.stages == 1)
+        # A pipeline stage runs backward once per microbatch, gradient accumulation once per
+        # accumulated microbatch: no overlap with either (DDP's invariant).
+        return DDP(model, comm, overlap=cfg.stages == 1 and backward_passes == 1)
     if cfg.method == "diloco":
         return DiLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
