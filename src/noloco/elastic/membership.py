@@ -153,6 +153,8 @@ class Membership:
                 print(f"noloco: replica {self.replica}: beating again after "
                       f"{now - self.last_beat:.1f} s cut off (steps {self._beat_step}-"
                       f"{self.step} without the others)", file=sys.stderr, flush=True)
+                if self._failing:  # it trained on meanwhile: eligible for the next snapshot
+                    self._beat_store.set(missed_key(self.replica), "")
             self.last_beat, self._beat_step, self._failing = now, self.step, False
 
     def nudge(self) -> None:
