@@ -182,6 +182,9 @@ class TrainConfig:
         "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
         "first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
+    compile: bool = opt(
+        False, "torch.compile the model (each pipeline stage): faster steps after a first one "
+        "that compiles; where no compiler works it says so in one line and runs eagerly")
     precision: str = opt(
         "fp32", "fp32, or bf16: bf16 autocast for forward and backward (activations sent between "
         "pipeline stages in bf16); master weights, optimizer state, slow weights and all that "

@@ -9,6 +9,7 @@ fragmenting live in :mod:`noloco.split`; they address the blocks by their module
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -210,6 +211,27 @@ def build(args: ModelArgs, device: str | torch.device = "cpu", seed: int | None 
         torch.manual_seed(seed)
     with torch.device(device):
         return Transformer(args)
+
+
+class Forward:
+    """``module(x)``, through ``torch.compile`` when asked (``--compile``). A compiler that
+    fails (none installed, an operation it cannot handle) is said in one line and the module
+    runs eagerly from then on: the same numbers, only slower."""
+
+    def __init__(self, module: nn.Module, compile: bool = False) -> None:
+        self.module = module
+        self.compiled = torch.compile(module) if compile else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(x)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: run eagerly
+                line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+                print(f"noloco: --compile: torch.compile failed ({line}); running eagerly",
+                      file=sys.stderr, flush=True)
+                self.compiled = None
+        return self.module(x)
 
 
 def autocast(device: torch.device, precision: str) -> torch.autocast:

@@ -55,7 +55,7 @@ from torch import nn
 
 from noloco.comm import posting, wait_works
 from noloco.config import Config
-from noloco.model import Transformer, autocast, lm_loss
+from noloco.model import Forward, Transformer, autocast, lm_loss
 from noloco.split import stage_blocks
 
 _ROUTE_SALT = 0x726F757465  # "route": keeps routing draws apart from other seeded streams
@@ -195,6 +195,7 @@ class PipelineRunner:
         self.stage = build_stage(model, lay.stages, lay.stage)
         self.dim = model.args.dim if isinstance(model, Transformer) else model.config.hidden_size
         self.precision = cfg.train.precision
+        self.forward = Forward(self.stage, cfg.train.compile)
         self.wire = torch.bfloat16 if self.precision == "bf16" else torch.float32
         """the dtype of activations and their gradients between stages (bytes counted so)"""
         self.batch_size = cfg.data.batch_size
@@ -292,7 +293,7 @@ class PipelineRunner:
                 if st.first:
                     x, labels = None, ys[m]
                     with autocast(self.device, self.precision):
-                        out = st(xs[m])
+                        out = self.forward(xs[m])
                 else:
                     w, buf, lw, lbuf, src = act_in.pop(m)
                     self._wait([w] if lw is None else [w, lw], src, "pipeline receive")
@@ -300,7 +301,7 @@ class PipelineRunner:
                     # fp32 inside the stage whatever travelled (the residual stream stays fp32)
                     x = buf.to(self.device, torch.float32).requires_grad_(True)
                     with autocast(self.device, self.precision):
-                        out = st(x)
+                        out = self.forward(x)
                 if st.last:
                     weight = xs[m].shape[0] / self.batch_size
                     with autocast(self.device, self.precision):
@@ -353,12 +354,12 @@ class PipelineRunner:
         for b, (x, y) in enumerate(batches):
             if st.first:
                 with autocast(self.device, self.precision):
-                    h = st(x)
+                    h = self.forward(x)
             else:
                 w, buf = ins[b]
                 wait_works([w], "pipeline receive (evaluation)", [src], self.watchdog)
                 with autocast(self.device, self.precision):
-                    h = st(buf.to(self.device, torch.float32))
+                    h = self.forward(buf.to(self.device, torch.float32))
             if st.last:
                 with autocast(self.device, self.precision):  # weighted: a last batch may be smaller
                     total += lm_loss(h, y).item() * len(y)

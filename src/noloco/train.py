@@ -34,7 +34,7 @@ from noloco.metrics import (
     process_age_seconds,
     run_summary,
 )
-from noloco.model import autocast, build, count_params, lm_loss, preset
+from noloco.model import Forward, autocast, build, count_params, lm_loss, preset
 from noloco.rundir import RunDir
 from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
@@ -64,8 +64,9 @@ class LocalRunner:
     """One stage holds the whole model: forward and backward in this process."""
 
     def __init__(self, model: torch.nn.Module, device: torch.device | None = None,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", compile: bool = False) -> None:
         self.model = model
+        self.forward = Forward(model, compile)
         self.activation_bytes = 0
         self.watchdog = None
         self.device = device or next(model.parameters()).device
@@ -85,7 +86,7 @@ class LocalRunner:
         """Forward and backward of one batch; its gradient, times ``scale``, is added to the
         parameters' (``1/K`` for each of K accumulated microbatches)."""
         with autocast(self.device, self.precision):
-            loss = lm_loss(self.model(inputs), targets)
+            loss = lm_loss(self.forward(inputs), targets)
         (loss * scale if scale != 1.0 else loss).backward()
         return loss.item()
 
@@ -94,7 +95,7 @@ class LocalRunner:
         self.model.eval()
         # Weighted by sequences: the last batch may be smaller.
         with autocast(self.device, self.precision):
-            total = sum(lm_loss(self.model(x), y).item() * len(x) for x, y in batches)
+            total = sum(lm_loss(self.forward(x), y).item() * len(x) for x, y in batches)
         self.model.train()
         return total / sum(len(x) for x, _ in batches)
 
@@ -175,7 +176,7 @@ class Trainer:
             from noloco.pipeline import PipelineRunner
             self.runner: Any = PipelineRunner(model, cfg, self.pipeline_layout(), device)
         else:
-            self.runner = LocalRunner(model, device, t.precision)
+            self.runner = LocalRunner(model, device, t.precision, t.compile)
         self.params = self.runner.parameters()
         # Named parameters let streaming methods cut fragments by block (global block names).
         self.method = build_method(m, self.runner.named_parameters(), self.comm, seed=t.seed,
