@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -69,6 +70,7 @@ def records(path: Path) -> list[dict[str, Any]]:
 def one_run(a: argparse.Namespace, name: str, subnet: str, port: int, out: Path,
             cut: bool, result: dict[str, Any]) -> None:
     slow = ",".join(f"slow:{r}:{a.slow:g}" for r in range(4))
+    shutil.rmtree(out, ignore_errors=True)  # an old run's metrics would set the cut off early
     with netns.Namespaces([None, None], prefix="nlbp", subnet=subnet) as ns:
         host = ns.workers[0].addr
         env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")

@@ -24,6 +24,13 @@ Targets: noloco ≥ 0.95 × the bare loop's tokens/s and ≤ 1.1 × its peak mem
     python benchmarks/throughput.py                 # the recorded run
     python benchmarks/throughput.py --cpus 1        # both pinned to one core (one thread)
     python benchmarks/throughput.py --quick         # smoke run, results in the temp directory
+    python benchmarks/throughput.py --against compile --record   # noloco with --compile
+    python benchmarks/throughput.py --against bf16 --record      # noloco with --precision bf16
+
+``--against compile|bf16`` measures noloco against itself with that switch instead of against
+the bare loop (record ``throughput_compile`` / ``throughput_bf16``; the ratio is switch ÷ plain;
+the switch's first step — compiling — is dropped with the warm-up, its cost is in the process
+seconds).
 """
 
 from __future__ import annotations
@@ -68,7 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
                    "(default: the scratch directory; benchmarks/results with --record)")
     common.add_record_flag(p)
-    p.add_argument("--worker", choices=("bare", "noloco"), help=argparse.SUPPRESS)
+    p.add_argument("--against", choices=("bare", "compile", "bf16"), default="bare",
+                   help="what noloco is measured against: the bare loop, or noloco with "
+                   "--compile or --precision bf16")
+    p.add_argument("--worker", choices=("bare", "noloco", "compile", "bf16"),
+                   help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick:
@@ -140,7 +151,7 @@ def noloco_worker(a: argparse.Namespace) -> dict[str, Any]:
         step(self, *args, **kw)
 
     metrics.Progress.step = timed_step
-    rc = cli.main(noloco_argv(a, Path(a.run_dir)))
+    rc = cli.main(noloco_argv(a, Path(a.run_dir)) + SWITCHES.get(a.worker, []))
     if rc:
         raise SystemExit(rc)
     s = json.loads((Path(a.run_dir) / "summary.json").read_text())
@@ -148,6 +159,10 @@ def noloco_worker(a: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"expected {a.steps} step timestamps, got {len(marks)}")
     return {"marks": marks, "loop_tokens_per_second": s["tokens_per_second"],
             "final_val_loss": s["final_val_loss"], "threads": s["threads_per_worker"]}
+
+
+SWITCHES = {"compile": ["--compile"], "bf16": ["--precision", "bf16"]}
+"""the noloco flags of each ``--against`` side"""
 
 
 def noloco_argv(a: argparse.Namespace, out: Path) -> list[str]:
@@ -260,20 +275,22 @@ def plot(res: dict[str, Any], path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.worker:
-        r = bare_worker(a) if a.worker == "bare" else noloco_worker(a)
+        r = bare_worker(a) if a.worker == "bare" else noloco_worker(a)  # noloco, or a switch
         print(json.dumps(r))
         return 0
-    json_path, png_path = common.out_paths("throughput", a.out_dir, a.quick, a.record)
+    other = a.against
+    name = "throughput" if other == "bare" else f"throughput_{other}"
+    json_path, png_path = common.out_paths(name, a.out_dir, a.quick, a.record)
     config = {k: v for k, v in vars(a).items() if k not in ("worker", "run_dir", "out_dir")}
     config["tokens_per_step"] = a.batch_size * a.seq_len
     config["noloco_command"] = "noloco " + " ".join(noloco_argv(a, Path("TMP")))
-    rec = common.start_record("throughput", config)
+    rec = common.start_record(name, config)
     t0 = time.perf_counter()
-    runs: dict[str, list[dict[str, Any]]] = {"noloco": [], "bare": []}
+    runs: dict[str, list[dict[str, Any]]] = {"noloco": [], other: []}
     with tempfile.TemporaryDirectory(prefix="noloco-throughput-") as tmpd:
         tmp = Path(tmpd)
         for r in range(a.repeats):
-            for side in (("noloco", "bare") if r % 2 == 0 else ("bare", "noloco")):
+            for side in (("noloco", other) if r % 2 == 0 else (other, "noloco")):
                 load = common.wait_for_quiet(a.wait_quiet) if a.wait_quiet else None
                 res = run_side(a, side, tmp)
                 res.update(repeat=r, load_average_before=load or common.load_average())
@@ -283,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['peak_rss_bytes'] / 2**20:5.0f} MiB", flush=True)
         profile = profile_noloco(a, tmp) if a.profile else None
     stats = {side: summarise(rs) for side, rs in runs.items()}
+    if other != "bare":
+        return record_switch(a, other, runs, stats, rec, t0, json_path)
 
     def ratio(key: str) -> float:
         return stats["noloco"][key]["median"] / stats["bare"][key]["median"]
@@ -309,6 +328,30 @@ def main(argv: list[str] | None = None) -> int:
           f"peak memory {memory:.3f} (target <= {TARGET_MEMORY}: "
           f"{'met' if memory <= TARGET_MEMORY else 'MISSED'})")
     print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def record_switch(a: argparse.Namespace, switch: str, runs: dict[str, list[dict[str, Any]]],
+                  stats: dict[str, Any], rec: dict[str, Any], t0: float, json_path: Path
+                  ) -> int:
+    """noloco with a switch against plain noloco: tokens/s (median step), peak memory, the
+    process's seconds (compiling included) and the final loss of each side."""
+    def ratio(key: str) -> float:
+        return stats[switch][key]["median"] / stats["noloco"][key]["median"]
+
+    results = {"runs": runs, "stats": stats, "switch": SWITCHES[switch],
+               "speed_ratio": ratio("tokens_per_second"),
+               "cpu_speed_ratio": ratio("tokens_per_cpu_second"),
+               "memory_ratio": ratio("peak_rss_mib"),
+               "process_seconds_ratio": ratio("process_seconds"),
+               "final_val_loss": {s: statistics.median(r["final_val_loss"] for r in rs)
+                                  for s, rs in runs.items()}}
+    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    print(f"noloco {' '.join(SWITCHES[switch])} / noloco: tokens/s (median step) "
+          f"{results['speed_ratio']:.3f}, per CPU second {results['cpu_speed_ratio']:.3f}, "
+          f"whole process {1 / results['process_seconds_ratio']:.3f}, peak memory "
+          f"{results['memory_ratio']:.3f}; final loss {results['final_val_loss']}")
+    print(f"wrote {json_path}")
     return 0
 
 

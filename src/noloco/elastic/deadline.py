@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -118,6 +119,24 @@ class DeadlineStore:
 def raw(store: Any) -> Any:
     """The c10d store under a :class:`DeadlineStore` (process groups need one)."""
     return store.raw if isinstance(store, DeadlineStore) else store
+
+
+def wait_reachable(host: str, port: int, timeout: float) -> None:
+    """Wait until a plain TCP connection to ``host:port`` succeeds (retrying), at most
+    ``timeout`` seconds; then raise ``DistNetworkError``. c10d's own connect retries print its
+    error and a C++ stack trace when they give up: this says it in one line instead."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), max(0.1, min(5.0, timeout))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise dist.DistNetworkError(f"nothing answers at {host}:{port} after "
+                                            f"{timeout:g} s ({e})") from None
+            time.sleep(0.5)
 
 
 def connect(store: Any, timeout: float) -> Any:

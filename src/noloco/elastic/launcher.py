@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Any
 
 from noloco.config import local_replicas, parse_address
+from noloco.elastic.deadline import wait_reachable
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import Monitor, live_replicas
 from noloco.elastic.worker import combine
@@ -45,6 +46,7 @@ class ElasticSupervisor(Supervisor):
             self.coordinator = parse_address(t.coordinator)
             self.port = self.coordinator[1]
             try:
+                wait_reachable(*self.coordinator, self.cfg.method.comm_timeout)
                 self.store = dist.TCPStore(*self.coordinator, None, False,
                                            timedelta(seconds=self.cfg.method.comm_timeout))
             except Exception as e:  # noqa: BLE001 - one line, whatever the store says

@@ -33,7 +33,7 @@ from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic.communicator import ElasticCommunicator
-from noloco.elastic.deadline import DeadlineStore, request_deadline
+from noloco.elastic.deadline import DeadlineStore, request_deadline, wait_reachable
 from noloco.elastic.join import Joining
 from noloco.elastic.keys import PREFIX, join_key
 from noloco.elastic.membership import Membership
@@ -162,6 +162,7 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
+    wait_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), m.comm_timeout)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
                           False, timedelta(seconds=m.comm_timeout))
     # How many times this worker started before, counted in the store: a respawn, or a
