@@ -116,5 +116,12 @@ def test_a_hf_llama_trains_in_pipeline_stages(tmp_path, shakespeare) -> None:
                  "--stages", "2", "--sync-every", "2") == 0
     s = summary(noloco)
     assert s["final_val_loss"] < metrics(noloco)[0]["val_loss"] and s["activation_bytes"] > 0
+    bf16 = tmp_path / "bf16"  # --precision bf16 through a Hugging Face model's stages
+    assert train(bf16, shakespeare, *common, "--method", "noloco", "--replicas", "2",
+                 "--stages", "2", "--sync-every", "2", "--precision", "bf16") == 0
+    b = summary(bf16)
+    assert b["final_val_loss"] < metrics(bf16)[0]["val_loss"] and b["precision"] == "bf16"
+    assert b["bytes_sent"] == s["bytes_sent"]  # the exchanges stay fp32
+    assert b["activation_bytes"] < s["activation_bytes"]  # bf16 between the stages
     assert main(["export", str(noloco), str(tmp_path / "hf")]) == 0  # the stages' shards join
     assert (tmp_path / "hf" / "model.safetensors").is_file()

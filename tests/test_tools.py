@@ -57,7 +57,7 @@ def test_report_compares_runs(runs, tmp_path, capsys) -> None:
     assert main(["report", str(runs["single"]), str(runs["diloco"]), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     rows = [x for x in md.splitlines() if x.startswith("| single") or x.startswith("| diloco")]
-    assert len(rows) == 2 and "| diloco | diloco | 2 | 1 | 2 |" in md
+    assert len(rows) == 2 and "| diloco | diloco | 2 | 1 | 2 | fp32 |" in md
     if importlib.util.find_spec("matplotlib"):
         pngs = sorted(p.name for p in out.glob("*.png"))
         assert pngs == ["val_loss_bytes.png", "val_loss_tokens.png", "val_loss_wall.png",

@@ -16,8 +16,9 @@ from typing import Any
 
 from noloco.config import ConfigError
 
-COLUMNS = ("run", "method", "replicas", "stages", "H", "final val loss", "± over replicas",
-           "MB sent / replica", "blocked s", "wall s", "utilisation")
+COLUMNS = ("run", "method", "replicas", "stages", "H", "precision", "final val loss",
+           "± over replicas", "MB sent / replica", "MB activations", "blocked s", "wall s",
+           "utilisation")
 
 
 def load(run_dir: str | Path) -> dict[str, Any]:
@@ -40,9 +41,13 @@ def row(run: dict[str, Any]) -> list[str]:
     s = run["summary"]
     per = [x for x in s.get("final_val_loss_per_replica") or [] if x is not None]
     spread = statistics.stdev(per) if len(per) > 1 else 0.0
+    # fp32 (and no accumulation) for runs from before the switches existed
+    precision = s.get("precision", "fp32") + (
+        f" × {s['grad_accum']} microbatches" if (s.get("grad_accum") or 1) > 1 else "")
     return [run["name"], s["method"], str(s["replicas"]), str(s.get("stages", 1)),
-            str(s.get("sync_every") or "—"), f"{s['final_val_loss']:.4f}", f"{spread:.4f}",
-            f"{s['bytes_sent_per_replica'] / 1e6:,.1f}", f"{s['sync_seconds']:.2f}",
+            str(s.get("sync_every") or "—"), precision, f"{s['final_val_loss']:.4f}",
+            f"{spread:.4f}", f"{s['bytes_sent_per_replica'] / 1e6:,.1f}",
+            f"{(s.get('activation_bytes') or 0) / 1e6:,.1f}", f"{s['sync_seconds']:.2f}",
             f"{s['wall_seconds']:.1f}", f"{s['compute_utilisation']:.3f}"]
 
 

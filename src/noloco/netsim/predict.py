@@ -15,7 +15,10 @@ P1. Bytes are the methods' own: :func:`noloco.methods.wire.sync_bytes`, the func
     quantised NoLoCo also sends its slow-weight drift in int8) and, for NoLoCo with γ ≠ β,
     θ and φ. A prediction's bytes for the run's own method are the run's bytes, exactly. A
     run without ``model/model.json`` is split evenly (approximate); ``wire_bits`` overrides
-    the bits per value (no framing).
+    the bits per value (no framing). ``--precision bf16`` changes no byte here: replicas
+    exchange their fp32 master weights (or ``--quantize``'s format); the activations between
+    pipeline stages, which bf16 halves, are part of the measured step time (P5) and of the
+    run's own ``activation_bytes`` (``noloco report`` shows them with the precision).
 P2. All-reduce (ddp, diloco, streaming) = ring all-reduce over the N replicas:
     ``2 (N - 1) / N * S`` bytes through each worker's link and 2 (N - 1) latency terms (a
     DDP step: one such all-reduce per bucket).
