@@ -25,7 +25,7 @@ from noloco.config import local_replicas, parse_address
 from noloco.elastic.deadline import wait_reachable
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import Monitor, live_replicas
-from noloco.elastic.worker import combine
+from noloco.elastic.worker import combine, replica_metrics
 from noloco.errors import SUPERSEDED_EXIT
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir
@@ -177,8 +177,17 @@ class ElasticSupervisor(Supervisor):
                                 start_new_session=True)
 
     def _step(self, replica: int) -> int:
+        """The last step the replica is known to have reached: its beat (which may lag the
+        training thread by a beat interval, several steps of a small model) or the last line
+        of its metrics here, whichever is later."""
         hb = self._read(heartbeat_key(replica))
-        return int(hb["step"]) if hb else 0
+        step = int(hb["step"]) if hb else 0
+        path = replica_metrics(self.out, replica, self.stages - 1, self.stages)
+        with contextlib.suppress(OSError, ValueError):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    step = max(step, int(json.loads(line).get("step", 0)))
+        return step
 
     def _record_failure(self, replica: int, code: int) -> None:
         from noloco.worker import report_key
