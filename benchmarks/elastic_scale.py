@@ -117,6 +117,10 @@ class CountingStore:
         return self.inner.delete_key(k)
 
 
+RUN_ID = "elastic-scale"
+"""the members' run at the coordinator"""
+
+
 # ---- one process of members ------------------------------------------------------------------
 
 def member_process(host: str, port: int, n: int, first: int, count: int, ops: int,
@@ -124,12 +128,22 @@ def member_process(host: str, port: int, n: int, first: int, count: int, ops: in
     import torch.distributed as dist
 
     from noloco.elastic import ElasticCommunicator, Membership, groups_of
+    from noloco.elastic.deadline import Namespace, Prefixed
+
+    def tcp() -> Any:
+        return dist.TCPStore(host, port, None, False, timedelta(seconds=600))
+
+    # The members' keys under one run's namespace, as a real run's are (the coordinator
+    # monitors the run epochs that register).
+    ns = Namespace(RUN_ID)
+    ns.enter(tcp())
 
     def client() -> Any:
-        return dist.TCPStore(host, port, None, False, timedelta(seconds=600))
+        return Prefixed(tcp(), ns.prefix)
 
     t0 = time.perf_counter()
     beat_store = client()
+    raw = tcp()
     stores = [CountingStore(client()) for _ in range(count)]
     connect_s = time.perf_counter() - t0
     members = [Membership(s, r, n, PEER_TIMEOUT) for r, s in
@@ -147,8 +161,8 @@ def member_process(host: str, port: int, n: int, first: int, count: int, ops: in
     beater = threading.Thread(target=beats, daemon=True)
     beater.start()
     # Every member of every process registered before the first operation.
-    stores[0].inner.add("bench/ready", count)
-    stores[0].inner.wait(["bench/go"], timedelta(seconds=1800))
+    raw.add("bench/ready", count)
+    raw.wait(["bench/go"], timedelta(seconds=1800))
     kinds0 = [dict(s.kinds) for s in stores]
     samples: list[list[Any]] = [[] for _ in members]
 
@@ -213,9 +227,9 @@ def run_n(n: int, ops: int, mode: str, procs: int, compute_ms: float) -> dict[st
         store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=600))
         while store.add("bench/ready", 0) < n:
             time.sleep(0.2)
-        from noloco.elastic.keys import live_key
-        while not (store.check([live_key()])
-                   and len(json.loads(store.get(live_key()))) == n):
+        from noloco.elastic.keys import live_key, run_prefix
+        live = run_prefix(RUN_ID, 0) + live_key()
+        while not (store.check([live]) and len(json.loads(store.get(live))) == n):
             time.sleep(0.2)  # the monitor has seen every member beat
         connected_s = time.perf_counter() - t0
         keys_start = store.num_keys()

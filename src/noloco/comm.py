@@ -46,6 +46,13 @@ class CommError(RuntimeError):
         self.culprit = culprit
 
 
+SKIPPED = "skipped"
+"""The result of an all-reduce that did not take place and must leave no trace: the replica
+keeps its slow weights and fast weights as they are, as though the outer step were not due
+(an elastic replica that cannot reach the run's store: the others cannot know whether it
+stepped, so it does not)."""
+
+
 class Pending:
     """An operation in flight. ``wait()`` blocks (counted as sync time) and returns its result.
 

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -172,6 +173,13 @@ class TrainConfig:
     replica_ids: str | None = opt(
         None, "elastic with --coordinator: the replicas this machine runs, e.g. 0-3 or 4,5 "
         "(default: all)")
+    run_id: str | None = opt(
+        None, "elastic: the run's name at its coordinator (letters, digits, '.', '_', '-'): "
+        "runs that share a coordinator need different ones (default: derived from the run's "
+        "settings, alike on every machine)")
+    coordinator_timeout: float = opt(
+        1800.0, "elastic: seconds a replica trains on while the run's store (the coordinator) "
+        "does not answer; then it saves a checkpoint and stops")
     respawn: int = opt(
         0, "elastic: start a replica that died again, up to R times in all; it fetches the live "
         "state from a running replica and rejoins")
@@ -376,6 +384,14 @@ class Config:
             raise ConfigError("--coordinator and --replica-ids need --elastic")
         if t.coordinator:
             parse_address(t.coordinator)
+        if t.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t.run_id):
+            raise ConfigError(f"--run-id takes 1-64 letters, digits, '.', '_' or '-', got "
+                              f"{t.run_id!r}")
+        if (t.run_id is not None or t.coordinator_timeout != 1800.0) and not m.elastic:
+            raise ConfigError("--run-id and --coordinator-timeout need --elastic")
+        if m.elastic and not t.coordinator_timeout > m.peer_timeout:
+            raise ConfigError(f"--coordinator-timeout ({t.coordinator_timeout:g} s) must be "
+                              f"longer than --peer-timeout ({m.peer_timeout:g} s)")
         local_replicas(t.replica_ids, m.replicas)
         if t.respawn < 0:
             raise ConfigError(f"--respawn must be >= 0, got {t.respawn}")
@@ -403,6 +419,18 @@ class Config:
             d[sec].pop(name, None)
         return d
 
+    def run_id(self) -> str:
+        """The run's name at its coordinator: ``--run-id``, or a hash of the settings that
+        every machine of the run shares (not where its data lies, nor its device or
+        threads) — so a machine's command run again finds its run."""
+        if self.train.run_id:
+            return self.train.run_id
+        d = self.math_dict()
+        d["data"].pop("data", None)
+        for name in ("threads", "device", "compile"):
+            d["train"].pop(name, None)
+        return "r" + hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+
     def math_hash(self) -> str:
         """A short hash of :meth:`math_dict`: a checkpoint only loads into a run of the same."""
         blob = json.dumps(self.math_dict(), sort_keys=True).encode()
@@ -413,7 +441,8 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", 
              "train.wandb", "train.overwrite", "train.checkpoint_every",
              "train.keep_checkpoints", "train.max_restarts", "train.inject_fault",
              "method.comm_timeout", "method.stall_warning", "method.elastic",
-             "method.peer_timeout", "train.respawn", "train.coordinator", "train.replica_ids")
+             "method.peer_timeout", "train.respawn", "train.coordinator", "train.replica_ids",
+             "train.run_id", "train.coordinator_timeout")
 """Settings that may differ when a run is resumed: none of them changes the computed numbers
 (weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
 waits for peers."""

@@ -22,3 +22,12 @@ class Superseded(RuntimeError):
                          + f": a newer process (start {owner + 1}) took this replica over; "
                          f"this one (start {mine + 1}) stops")
         self.replica = replica
+
+
+STORE_LOST_EXIT = 4
+"""the exit code of an elastic worker that could not reach its run's store (the coordinator)
+for ``--coordinator-timeout``: it saved a checkpoint and stopped (not to be respawned)"""
+
+
+class StoreLost(RuntimeError):
+    """An elastic worker trained on without its run's store for ``--coordinator-timeout``."""

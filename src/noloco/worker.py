@@ -27,7 +27,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError, Communicator
 from noloco.config import Config, ConfigError
 from noloco.distributed import Layout, init_distributed, limit_threads, pick_device
-from noloco.errors import SUPERSEDED_EXIT, Superseded
+from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, StoreLost, Superseded
 from noloco.rundir import RunDir, os_error_line
 from noloco.train import Trainer, check_identical_start
 
@@ -181,6 +181,8 @@ def classify(e: BaseException, status: WorkerStatus) -> tuple[int, str, str, int
         return e.code, "quiet", "", None
     if isinstance(e, Superseded):
         return SUPERSEDED_EXIT, "superseded", f"noloco: {e}", None
+    if isinstance(e, StoreLost):
+        return STORE_LOST_EXIT, "store lost", f"noloco: {e}", None
     if isinstance(e, (ConfigError, DataError)):
         return 2, "usage", f"noloco: error: {e}", None
     if isinstance(e, (Interrupted, KeyboardInterrupt)):

@@ -53,7 +53,7 @@ One outcome per all-reduce
     collective failed first): every member discards its result, also one that completed, and
     all retry among the same list (the attempt's members, not each one's own view of who is
     alive); whoever does not arrive at the retry misses it. After ``MAX_ATTEMPTS`` aborts the
-    members step on a zero outer gradient — still identical to each other. So the replicas
+    members skip the outer step alike — still identical to each other. So the replicas
     that step stay bit-identical whatever breaks when.
 
 Cut off

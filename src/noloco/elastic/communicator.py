@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from noloco import quant
 from noloco.comm import (
+    SKIPPED,
     Communicator,
     Pending,
     _check_quantizable,
@@ -88,6 +89,11 @@ class ElasticCommunicator(Communicator):
         could not be reached: a partition"""
         self._cut = False
         """the last operation could not reach the store (one event per such period)"""
+        self.commits = 0
+        """all-reduces this replica stepped with, as every member of their outcome did: a
+        replica with fewer than a live one's has other slow weights — it is behind"""
+        self.unreachable_steps: list[int] = []
+        """the step of each operation done alone or skipped for want of the store"""
 
     @property
     def store(self) -> Any:
@@ -96,11 +102,12 @@ class ElasticCommunicator(Communicator):
 
     # ---- state (a joining replica takes the donor's operation count) -------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "calls": self.calls}
+        return {**super().state_dict(), "calls": self.calls, "commits": self.commits}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        super().load_state_dict({k: v for k, v in sd.items() if k != "calls"})
+        super().load_state_dict({k: v for k, v in sd.items() if k not in ("calls", "commits")})
         self.calls = int(sd.get("calls", 0))
+        self.commits = int(sd.get("commits", 0))
 
     # ---- who takes part ----------------------------------------------------------------------
     def members(self) -> list[int]:
@@ -131,6 +138,7 @@ class ElasticCommunicator(Communicator):
             self.m.broken = True
         self._marked = True
         self.unreachable_ops += 1
+        self.unreachable_steps.append(self.m.step)
         if not self._cut:
             self._cut = True
             self.events.append({"call": call, "step": self.m.step, "kind": "unreachable",
@@ -195,6 +203,10 @@ class ElasticCommunicator(Communicator):
         self.store.set(missed_key(self.rank), "")
         self._marked = False
         self._seen = None  # a join moved the step: the pace is measured afresh
+
+    def new_epoch(self) -> None:
+        """The store restarted empty: the keys this replica owned went with it."""
+        self._owned.clear()
 
     def _own(self, call: int, keys: list[str]) -> None:
         self._owned.setdefault(call, []).extend(keys)
@@ -383,8 +395,12 @@ class ElasticCommunicator(Communicator):
         self.ops[op] += 1
         self._collect()
         if self._cut:
+            # Out of reach: no outer step at all (slow weights untouched). If the others
+            # stepped meanwhile this replica has fewer commits and heals; if nobody could
+            # (the coordinator was down), everyone's slow weights are still alike and the next
+            # all-reduce takes every replica's progress since.
             self.behind = True
-            return _Done(self, None)
+            return _Done(self, SKIPPED)
         if self.rank not in candidates:  # dropped while silent: this step alone
             self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
             self.behind = len(candidates) > 0
@@ -397,7 +413,7 @@ class ElasticCommunicator(Communicator):
             tensor.copy_(original)
             self.behind = True
             self._unreachable(call, e)
-            return _Done(self, None)
+            return _Done(self, SKIPPED)
         finally:
             self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
 
@@ -416,6 +432,7 @@ class ElasticCommunicator(Communicator):
                 # Late: the others stepped without this replica. Alone by the others'
                 # absence: nobody holds other slow weights to catch up with.
                 self.behind = self.rank not in final
+                self.commits += not self.behind
                 return _Done(self, None)
             t0 = time.perf_counter()
             error = None
@@ -427,6 +444,7 @@ class ElasticCommunicator(Communicator):
             self.sync_seconds += time.perf_counter() - t0
             if committed and error is None:
                 self.bytes_sent += nbytes
+                self.commits += 1
                 return _Done(self, None)
             tensor.copy_(original)
             event = {"call": call, "step": self.m.step, "attempt": attempt, "group": final}
@@ -440,12 +458,14 @@ class ElasticCommunicator(Communicator):
             self.events.append({**event, "kind": "lost" if error else "aborted"})
             group = final
         # Every attempt aborted (the same sequence of outcomes on every member that is still
-        # here): no mean stands, so nobody steps on its own outer gradient — the members stay
-        # identical; the inner steps since the last operation are lost to the outer update.
-        tensor.zero_()
+        # here): no mean stands, so nobody steps — every member skips the outer step alike
+        # and their slow weights stay identical; the next all-reduce takes the inner steps
+        # since (a zeroed payload would not do: without --quantize it holds the fast weights,
+        # and φ − 0 is no zero gradient).
+        tensor.copy_(original)
         self.events.append({"call": call, "step": self.m.step, "kind": "gave_up",
                             "group": group})
-        return _Done(self, None)
+        return _Done(self, SKIPPED)
 
     def _outcome(self, call: int, tag: str, final: list[int], completed: bool) -> bool:
         """Report this member's attempt and learn the attempt's outcome: committed (True) or

@@ -13,16 +13,23 @@ which is given up (every later request fails at once); the owner makes a new one
 
 Invariant: one connection, one thread, requests in order: a request is never sent on a
 connection while an earlier one may still be waiting for its answer.
+
+A worker's connections also carry the run's :class:`Namespace`: every key is put under the
+run's id and epoch (:mod:`noloco.elastic.keys`), and each new connection first checks the
+store's boot token — a coordinator that restarted empty moves every worker to a new epoch.
 """
 
 from __future__ import annotations
 
 import queue
+import secrets
 import socket
 import threading
 import time
 from datetime import timedelta
 from typing import Any
+
+from noloco.elastic.keys import BOOT_KEY, RUNS_KEY, epoch_key, run_prefix
 
 _abandoned: list[Any] = []
 """connections given up with a request stuck in them: referenced until the process exits, so
@@ -75,15 +82,119 @@ class _Thread:
         return True, box[0]
 
 
+_ONE_KEY = frozenset({"set", "get", "add", "compare_set", "delete_key", "append"})
+_KEY_LIST = frozenset({"check", "multi_get", "multi_set", "wait"})
+_ABSENT = "\x00absent"
+
+
+def _namespaced(name: str, args: tuple[Any, ...], prefix: str) -> tuple[Any, ...]:
+    if name in _ONE_KEY:
+        return (prefix + args[0], *args[1:])
+    if name in _KEY_LIST:
+        return ([prefix + k for k in args[0]], *args[1:])
+    return args
+
+
+class Prefixed:
+    """A view of a store whose every key is under ``prefix`` (a run's epoch, for those who
+    watch a run from outside it: the monitor, ``noloco status``)."""
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.store, name)
+        return lambda *args: attr(*_namespaced(name, args, self.prefix))
+
+
+class Renewing:
+    """A store client that makes a new connection (:func:`connect`) for the request after
+    one failed: for a long-lived reader (the launcher) that must outlive a store's restart.
+    Failed requests still raise."""
+
+    def __init__(self, conn: Any, timeout: float) -> None:
+        self._base, self._conn, self.timeout = conn, conn, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any) -> Any:
+            if self._conn is None:
+                self._conn = connect(self._base, self.timeout)
+            try:
+                return getattr(self._conn, name)(*args)
+            except store_errors():
+                self._conn = None
+                raise
+        return call
+
+
+class Namespace:
+    """Where this process's keys live in the store: under the run's id and its current epoch
+    (:func:`noloco.elastic.keys.run_prefix`). One object shared by every connection of the
+    process. The first connection made after the store was wiped — its boot token changed: a
+    coordinator restarted empty — moves the process to the run's next epoch (the first
+    proposal written stands: compare-and-set), and :attr:`generation` counts such moves so
+    that whoever keeps local state tied to the store's (registration, join counters, keys to
+    delete) can redo it. Within an epoch, keys are as write-once as the store makes them."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.epoch = 0
+        self.boot: bytes | None = None
+        self.generation = 0
+        """epochs moved to after the first (each a store that was wiped under this process)"""
+        self.moves: list[dict[str, Any]] = []
+        """each move: the new epoch and when (this process's wall clock, for the summary)"""
+        self._lock = threading.Lock()
+
+    @property
+    def prefix(self) -> str:
+        return run_prefix(self.run_id, self.epoch)
+
+    def enter(self, conn: DeadlineStore) -> None:
+        """Check a new connection's store (``conn``: its keys not namespaced) before the
+        connection serves this process. Raises ``DistStoreError`` while the store has no boot
+        token yet (its host is starting: try again)."""
+        import torch.distributed as dist
+
+        boot = conn.compare_set(BOOT_KEY, _ABSENT, _ABSENT)
+        if boot == _ABSENT.encode():
+            raise dist.DistStoreError("the run's store is starting (no boot token yet)")
+        with self._lock:
+            if boot == self.boot:
+                return
+            moved = self.boot is not None
+            # "EPOCH:TOKEN": the token tells the one process whose proposal stood (two may
+            # propose the same epoch), and only that one registers the epoch.
+            mine = f"{self.epoch + 1 if moved else 0}:{secrets.token_hex(6)}"
+            got = conn.compare_set(epoch_key(self.run_id), "", mine).decode()
+            epoch = int(got.partition(":")[0])
+            if got == mine:  # this process opened the epoch: the store's host learns of it
+                conn.append(RUNS_KEY, f"{self.run_id}/{epoch},")
+            self.boot, self.epoch = boot, epoch
+            if moved:
+                self.generation += 1
+                self.moves.append({"epoch": got, "t": time.time()})
+
+
 class DeadlineStore:
     """A store connection whose every request is answered within ``timeout`` seconds (a
     ``wait`` within its own timeout plus that) or raises ``DistStoreError`` (module
-    docstring). ``raw`` is the c10d store, for process groups built on it."""
+    docstring); with a :class:`Namespace`, every key is the namespace's. ``raw`` is the c10d
+    store (namespaced too), for process groups built on it."""
 
-    def __init__(self, raw: Any, timeout: float, thread: _Thread | None = None) -> None:
-        self.raw, self.timeout = raw, timeout
+    def __init__(self, tcp: Any, timeout: float, thread: _Thread | None = None,
+                 ns: Namespace | None = None) -> None:
+        self.tcp, self.timeout, self.ns = tcp, timeout, ns
         self._thread = thread or _Thread()
         self._given_up = False
+
+    @property
+    def raw(self) -> Any:
+        if self.ns is None:
+            return self.tcp
+        import torch.distributed as dist
+
+        return dist.PrefixStore(self.ns.prefix.rstrip("/"), self.tcp)
 
     def __del__(self) -> None:
         self._thread.stop()
@@ -105,15 +216,19 @@ class DeadlineStore:
         return value
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if self.ns is not None:
+            keys = [self.ns.prefix + k for k in keys]
         if timeout is None:
-            return self._call(self.raw.wait, keys, extra=self.raw.timeout.total_seconds())
-        return self._call(self.raw.wait, keys, timeout, extra=timeout.total_seconds())
+            return self._call(self.tcp.wait, keys, extra=self.tcp.timeout.total_seconds())
+        return self._call(self.tcp.wait, keys, timeout, extra=timeout.total_seconds())
 
     def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.raw, name)
+        attr = getattr(self.tcp, name)
         if not callable(attr):
             return attr
-        return lambda *args: self._call(attr, *args)
+        if self.ns is None:
+            return lambda *args: self._call(attr, *args)
+        return lambda *args: self._call(attr, *_namespaced(name, args, self.ns.prefix))
 
 
 def raw(store: Any) -> Any:
@@ -140,31 +255,59 @@ def wait_reachable(host: str, port: int, timeout: float) -> None:
 
 
 def connect(store: Any, timeout: float) -> Any:
-    """A new :class:`DeadlineStore` to the same TCPStore as ``store`` (the store itself when
-    it is of another kind: a test's). Connecting is bounded by the deadline too; raises
-    ``DistStoreError`` when the store cannot be reached in it."""
+    """A new :class:`DeadlineStore` to the same TCPStore as ``store``, in its namespace (the
+    store itself when it is of another kind: a test's). Connecting is bounded by the deadline
+    too; raises ``DistStoreError`` when the store cannot be reached in it."""
     import torch.distributed as dist
 
-    base = raw(store)
+    base = store.tcp if isinstance(store, DeadlineStore) else store
     if not isinstance(base, dist.TCPStore):
         return store
+    return open_store(base.host, base.port, timeout,
+                      store.ns if isinstance(store, DeadlineStore) else None)
+
+
+def open_store(host: str, port: int, timeout: float, ns: Namespace | None = None
+               ) -> DeadlineStore:
+    """A :class:`DeadlineStore` to the TCPStore at ``host:port``, entered into ``ns``
+    (:meth:`Namespace.enter`) when given. Raises ``DistStoreError``/``DistNetworkError`` in
+    ``timeout`` (about) when it cannot be reached, or while it is starting."""
+    import torch.distributed as dist
+
     # A plain connection first: while the store is out of reach, c10d's own failing connect
     # would print its error and a C++ stack trace at every try.
     try:
-        socket.create_connection((base.host, base.port), timeout).close()
+        socket.create_connection((host, port), timeout).close()
     except OSError as e:
-        raise dist.DistNetworkError(f"cannot reach the run's store at {base.host}:{base.port} "
+        raise dist.DistNetworkError(f"cannot reach the run's store at {host}:{port} "
                                     f"({e})") from None
     thread = _Thread()
     answered, result = thread.run(
-        dist.TCPStore, (base.host, base.port, None, False, timedelta(seconds=timeout)),
-        timeout + 1.0)
+        dist.TCPStore, (host, port, None, False, timedelta(seconds=timeout)), timeout + 1.0)
     if not answered or not result[0]:
         thread.stop()
     if not answered:
-        raise dist.DistStoreError(f"cannot reach the run's store at {base.host}:{base.port} "
+        raise dist.DistStoreError(f"cannot reach the run's store at {host}:{port} "
                                   f"within {timeout:g} s")
     ok, value = result
     if not ok:
         raise value
-    return DeadlineStore(value, timeout, thread)
+    conn = DeadlineStore(value, timeout, thread)
+    if ns is not None:
+        ns.enter(conn)
+        conn.ns = ns
+    return conn
+
+
+def open_store_patiently(host: str, port: int, timeout: float, ns: Namespace | None,
+                         patience: float) -> DeadlineStore:
+    """:func:`open_store`, tried again for ``patience`` seconds: for a worker or launcher
+    that may start before its coordinator does, or while it restarts."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            return open_store(host, port, timeout, ns)
+        except store_errors():
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.3)

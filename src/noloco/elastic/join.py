@@ -29,7 +29,7 @@ from noloco.config import ConfigError
 from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.keys import PREFIX, join_key
 from noloco.elastic.membership import await_value
-from noloco.errors import Superseded
+from noloco.errors import StoreLost, Superseded
 from noloco.train import weights_checksum
 
 
@@ -81,6 +81,8 @@ class Joining:
     joins: list[dict[str, Any]]
     served: int
     next_serve: int
+    generation: int
+    ckpt: Any
     resumed_from: int | None
 
     # ---- join: donor side ------------------------------------------------------------------
@@ -98,15 +100,36 @@ class Joining:
                                         for i, phi in enumerate(method["phi"])]}
         return {"model": {n: p.detach().clone() for n, p in self.runner.named_parameters()},
                 "method": method, "phi_is_model": same, "comm_calls": self.comm.calls,
+                "comm_commits": self.comm.commits,
                 "step": self.state.step, "donor": self.lay.replica}
+
+    def _stop_without_store(self, silent: float) -> None:
+        """Past ``--coordinator-timeout`` without the run's store: a checkpoint, then stop
+        (the launcher does not start this replica again)."""
+        self.ckpt.save(self.state.step, self.capture())
+        self.ckpt.wait()
+        raise StoreLost(f"replica {self.lay.replica}: the run's store has not answered for "
+                        f"{silent:.0f} s (--coordinator-timeout "
+                        f"{self.cfg.train.coordinator_timeout:g}); saved a checkpoint at step "
+                        f"{self.state.step} and stopped")
 
     def between_steps(self) -> None:
         m = self.membership
         if m.owner is not None:  # fenced: a newer process owns this replica's id
             raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
         m.behind = self.comm.behind  # a behind replica is no donor (its heartbeat says so)
+        m.commits = self.comm.commits
         if m.cut_off():
+            silent = time.monotonic() - m.last_beat
+            if silent > self.cfg.train.coordinator_timeout:
+                self._stop_without_store(silent)
             return  # cut off: nobody to heal from, nobody can ask (the others see it dead)
+        if m.ns is not None and m.ns.generation != self.generation:
+            # The store restarted empty (a new epoch): what this replica counted in the old
+            # one is gone with it.
+            self.generation = m.ns.generation
+            self.served = self.next_serve = 0
+            self.comm.new_epoch()
         if m.broken:
             try:
                 m.renew()
@@ -233,16 +256,22 @@ class Joining:
         position. DiLoCo: the quorum stepped without it (it was late: stalled, slow), and its
         slow weights are no longer the others'. NoLoCo: it is a whole operation behind the
         others (it hung), so its partners would wait for it at every operation."""
-        if self.membership.donors():
+        # An all-reduce method heals only from a replica that stepped with more all-reduces:
+        # after an outage of the store that nobody could step through, everyone is marked
+        # behind, yet every slow weight is alike and the next all-reduce takes everyone's
+        # progress — taking one replica's state would throw the others' away.
+        above = None if self.cfg.method.method == "noloco" else self.comm.commits
+        if self.membership.donors(above):
             resumed_from = self.resumed_from
-            self.join(own=None, tries=1, kind="healed")  # failed: again before the next step
+            # failed: again before the next step
+            self.join(own=None, tries=1, kind="healed", commits_above=above)
             self.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
             self.comm.behind = False
             self.comm.back()
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
-             kind: str = "joined") -> bool:
+             kind: str = "joined", commits_above: int | None = None) -> bool:
         """Take the live state from a live replica (see the module docstring): the one
         furthest along among those that train (never another joining one)."""
         if kind == "joined":
@@ -254,7 +283,7 @@ class Joining:
         failed: list[int] = []
         """donors that failed this join, in order: the next try asks another one"""
         while time.monotonic() < deadline and (tries is None or tries > 0):
-            donors = self.membership.donors()
+            donors = self.membership.donors(commits_above)
             if not donors:
                 time.sleep(0.2)
                 continue
@@ -374,6 +403,7 @@ class Joining:
             method = {**method, "phi": phi}
         self.method.load_state_dict(method)
         self.comm.calls = int(state["comm_calls"])
+        self.comm.commits = int(state.get("comm_commits", self.comm.commits))
         if own is not None:  # this replica's own inner optimizer and data position
             self.inner.load_state_dict(own["optimizer"])
             self.reader.load_state_dict(own["reader"])

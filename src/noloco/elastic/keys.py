@@ -40,6 +40,12 @@ def owner_key(replica: int, stage: int = 0) -> str:
     return f"{PREFIX}/owner/{replica}/{stage}"
 
 
+def starts_key(replica: int, stage: int = 0) -> str:
+    """How many times this replica's stage was started (a counter): a start's number is its
+    incarnation; a respawn, or a machine's command run again, is a later one."""
+    return f"{PREFIX}/starts/{replica}/{stage}"
+
+
 def live_key() -> str:
     """The live set, published by the store host's :class:`~noloco.elastic.membership.Monitor`
     (JSON: replica → its stage 0's newest heartbeat, for every replica judged alive)."""
@@ -50,3 +56,27 @@ def settings_key() -> str:
     """What the monitor needs to know of the run (replicas, stages, peer timeout), written by
     the first replica to start (compare-and-set: every replica has the same settings)."""
     return f"{PREFIX}/settings"
+
+
+# ---- the namespace of every key above -------------------------------------------------------
+# A worker's store connection (noloco.elastic.deadline.Namespace) puts every key of the run
+# under ``run/RUN_ID/EPOCH/``: runs sharing one coordinator never see each other's keys, and a
+# coordinator that restarts empty starts a new epoch whose keys no operation of the old one can
+# meet. Only the keys below live outside any run.
+
+BOOT_KEY = "noloco/boot"
+"""A token the store's host writes once as it starts (before any worker reads it): a worker
+that reconnects and finds another one knows the store was wiped — a coordinator restarted."""
+
+RUNS_KEY = "noloco/runs"
+"""``RUN_ID/EPOCH,`` appended once per epoch of each run: what the coordinator monitors and
+``noloco status`` lists."""
+
+
+def run_prefix(run_id: str, epoch: int) -> str:
+    return f"run/{run_id}/{epoch}/"
+
+
+def epoch_key(run_id: str) -> str:
+    """The run's current epoch in this store, written once per store life (compare-and-set)."""
+    return f"run/{run_id}/epoch"

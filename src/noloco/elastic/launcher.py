@@ -18,15 +18,22 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 from noloco.config import local_replicas, parse_address
-from noloco.elastic.deadline import wait_reachable
+from noloco.elastic.deadline import (
+    Namespace,
+    Renewing,
+    open_store_patiently,
+    request_deadline,
+    store_errors,
+    wait_reachable,
+)
+from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
-from noloco.elastic.membership import Monitor, live_replicas
+from noloco.elastic.membership import live_replicas
 from noloco.elastic.worker import combine, replica_metrics
-from noloco.errors import SUPERSEDED_EXIT
+from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir
 
@@ -40,25 +47,33 @@ class ElasticSupervisor(Supervisor):
         t = self.cfg.train
         self.replicas = self.cfg.method.replicas
         self.local = local_replicas(t.replica_ids, self.replicas)
-        if t.coordinator:  # across machines: the coordinator hosts the store
-            import torch.distributed as dist
-
-            self.coordinator = parse_address(t.coordinator)
-            self.port = self.coordinator[1]
-            try:
+        timeout = request_deadline(self.cfg.method.peer_timeout)
+        ns = Namespace(self.cfg.run_id())
+        host = None
+        try:
+            if t.coordinator:  # across machines: the coordinator hosts the store
+                self.coordinator = parse_address(t.coordinator)
+                self.port = self.coordinator[1]
                 wait_reachable(*self.coordinator, self.cfg.method.comm_timeout)
-                self.store = dist.TCPStore(*self.coordinator, None, False,
-                                           timedelta(seconds=self.cfg.method.comm_timeout))
-            except Exception as e:  # noqa: BLE001 - one line, whatever the store says
-                print(f"noloco: error: cannot reach the coordinator at {t.coordinator} "
-                      f"({str(e).splitlines()[0][:160]})", file=sys.stderr)
-                return 1
-        else:
-            self.coordinator = None
-            self.host_store()
-        # Liveness is judged beside the store (on one clock): here when this launcher hosts
-        # it; `noloco coordinator` does it for a run across machines.
-        monitor = Monitor(self.store).start() if self.coordinator is None else None
+                conn = open_store_patiently(*self.coordinator, timeout, ns,
+                                            self.cfg.method.comm_timeout)
+            else:
+                # This launcher hosts it, and judges liveness beside it (on one clock).
+                self.coordinator = None
+                host = Host("127.0.0.1", 0, self.cfg.method.comm_timeout)
+                self.port = host.port
+                conn = open_store_patiently("127.0.0.1", self.port, timeout, ns,
+                                            self.cfg.method.comm_timeout)
+        except Exception as e:  # noqa: BLE001 - one line, whatever the store says
+            if host is not None:
+                host.stop()
+            where = f"the coordinator at {t.coordinator}" if t.coordinator else "its store"
+            print(f"noloco: error: cannot reach {where} "
+                  f"({str(e).splitlines()[0][:160]})", file=sys.stderr)
+            return 1
+        # Its reads outlive a coordinator's restart: a failed one is retried on a new
+        # connection (in the run's new epoch) the next time.
+        self.store = Renewing(conn, timeout)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.time()
         self.incarnation = {r: 0 for r in self.local}
@@ -106,11 +121,23 @@ class ElasticSupervisor(Supervisor):
                               flush=True)
                         dead.add(r)
                         continue
+                    if STORE_LOST_EXIT in failed:  # it stopped with a checkpoint, on purpose
+                        self.failures.append({"replica": r, "step": self._step(r),
+                                              "kind": "store lost",
+                                              "incarnation": self.incarnation[r],
+                                              "t": time.time()})
+                        print(f"noloco: replica {r} stopped: the run's store did not answer "
+                              f"for --coordinator-timeout (it saved a checkpoint)",
+                              file=sys.stderr, flush=True)
+                        dead.add(r)
+                        continue
                     self._record_failure(r, min(failed))  # a signal (< 0) names the cause
                     # Someone to join from: a replica here, or one alive elsewhere.
-                    others = [q for q in self.reps if q != r and q not in finished | dead] or [
-                        q for q in live_replicas(self.store, self.replicas, self.stages)
-                        if q != r]
+                    others = [q for q in self.reps if q != r and q not in finished | dead]
+                    if not others:
+                        with contextlib.suppress(*store_errors()):  # unknown: nobody
+                            others = [q for q in live_replicas(self.store, self.replicas,
+                                                               self.stages) if q != r]
                     if respawns > 0 and others:
                         respawns -= 1
                         self.incarnation[r] += 1
@@ -123,8 +150,8 @@ class ElasticSupervisor(Supervisor):
                         dead.add(r)
                 time.sleep(0.05)
         finally:
-            if monitor is not None:
-                monitor.stop()
+            if host is not None:
+                host.stop()
             self._stop_all()
             for s, h in handlers.items():
                 signal.signal(s, h)
@@ -134,6 +161,13 @@ class ElasticSupervisor(Supervisor):
                 print("noloco: every replica here was taken over by newer processes",
                       file=sys.stderr, flush=True)
                 return 0
+            if all(f["kind"] == "store lost" for f in self.failures):
+                reason = ("the run's store did not answer for --coordinator-timeout; every "
+                          "replica here saved a checkpoint and stopped")
+                RunDir(self.out).update_summary(reason=reason)
+                print(f"noloco: error: {reason} (under {self.out}/checkpoints/)",
+                      file=sys.stderr, flush=True)
+                return 1
             print("noloco: error: every replica failed", file=sys.stderr, flush=True)
             return 1
         per = summary["final_val_loss_per_replica"]

@@ -30,7 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from noloco.elastic.deadline import connect, request_deadline
+from noloco.elastic.deadline import Prefixed, connect, request_deadline
 from noloco.elastic.keys import (
     heartbeat_key,
     join_key,
@@ -38,6 +38,7 @@ from noloco.elastic.keys import (
     missed_key,
     owner_key,
     settings_key,
+    starts_key,
 )
 
 
@@ -75,6 +76,8 @@ class Membership:
         """training (a joining replica is not, until it has its state)"""
         self.behind = False
         """an all-reduce went on without this replica: it is no donor until it healed"""
+        self.commits = 0
+        """all-reduces this replica stepped with (:attr:`ElasticCommunicator.commits`)"""
         self.joining = incarnation > 0
         """taking a live replica's state (a respawn): no member of new snapshots until done"""
         self._stop = threading.Event()
@@ -103,29 +106,61 @@ class Membership:
         self.owner: int | None = None
         """a newer incarnation that took this replica over (then this one writes nothing more
         and stops at its next step)"""
+        self.ns = getattr(store, "ns", None)
+        """the run's namespace in the store (:class:`noloco.elastic.deadline.Namespace`), when
+        the store connection has one"""
+        self._generation = self.ns.generation if self.ns is not None else 0
+        self.outages: list[dict[str, Any]] = []
+        """the store restarted empty under this worker (a coordinator that came back): when,
+        between which steps, in which new epoch"""
 
-    def claim(self) -> None:
+    def claim(self, store: Any = None) -> None:
         """Own this replica's id: raise the owner key to this incarnation (compare-and-set,
         never lowered, so of two processes with one id the newer start owns it)."""
+        store = self.store if store is None else store
         key, mine = owner_key(self.replica, self.stage), str(self.incarnation)
-        cur = self.store.compare_set(key, "", mine)
+        cur = store.compare_set(key, "", mine)
         while int(cur) < self.incarnation:
-            cur = self.store.compare_set(key, cur, mine)
+            cur = store.compare_set(key, cur, mine)
         if int(cur) > self.incarnation:
             self.owner = int(cur)
+
+    def _register(self, store: Any) -> None:
+        """What a store must hold of this worker before it beats: its claim on the id, the
+        run's settings (for the monitor) and an empty missed mark (a new life, or a new
+        epoch, starts unmarked; a joining flag keeps it out of snapshots meanwhile)."""
+        self.claim(store)
+        store.compare_set(settings_key(), "", json.dumps(
+            {"replicas": self.replicas, "stages": self.stages,
+             "peer_timeout": self.peer_timeout}))
+        store.set(missed_key(self.replica), "")
+
+    def _new_epoch(self, store: Any, now: float) -> None:
+        """The store was wiped (its host restarted) and this process is in a new epoch
+        (:class:`~noloco.elastic.deadline.Namespace`): register again, and bring the start
+        counter up to this life's, so that a later start is still a later incarnation."""
+        assert self.ns is not None
+        self._generation = self.ns.generation
+        self.join_requests = 0  # the new epoch's requests are counted from zero
+        self._register(store)
+        key = starts_key(self.replica, self.stage)
+        have = int(store.add(key, 0))
+        if have <= self.incarnation:
+            store.add(key, self.incarnation + 1 - have)
+        self.outages.append({"replica": self.replica, "stage": self.stage,
+                             "epoch": self.ns.epoch, "from_step": self._beat_step,
+                             "to_step": self.step, "seconds": round(now - self.last_beat, 2)})
+        print(f"noloco: replica {self.replica}: the run's store restarted empty; the run goes "
+              f"on in epoch {self.ns.epoch} (steps {self._beat_step}-{self.step} without it)",
+              file=sys.stderr, flush=True)
 
     def start(self, beat_store: Any = None, thread: bool = True) -> Membership:
         """Claim the id, register, beat once and go on beating from a thread of its own, on
         ``beat_store`` (default: a connection of its own). ``thread=False``: the caller beats
         (many light members of one process, in a benchmark, share one thread)."""
-        self.claim()
+        self._register(self.store)
         self._beat_store = (own_client(self.store, self.store_timeout) if beat_store is None
                             else beat_store)
-        self.store.compare_set(settings_key(), "", json.dumps(
-            {"replicas": self.replicas, "stages": self.stages,
-             "peer_timeout": self.peer_timeout}))
-        # A new life starts unmarked (its joining flag keeps it out of snapshots meanwhile).
-        self.store.set(missed_key(self.replica), "")
         self.beat()
         if thread:
             self._thread = threading.Thread(target=self._loop, name="noloco-membership",
@@ -139,17 +174,22 @@ class Membership:
                 return
             if self._beat_store is None:  # the last beat failed: a new connection
                 self._beat_store = self._connect()
+            now = time.monotonic()
+            moved = self.ns is not None and self.ns.generation != self._generation
+            if moved:
+                self._new_epoch(self._beat_store, now)
             self.beats += 1
             self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
+                 "commits": self.commits,
                  **({"done": True} if done else {})}))
-            now = time.monotonic()
             if now - self.last_beat > self.peer_timeout:  # it was cut off meanwhile
                 self.cuts.append({"replica": self.replica, "stage": self.stage,
                                   "from_step": self._beat_step, "to_step": self.step,
                                   "seconds": round(now - self.last_beat, 2),
-                                  "cause": "unreachable" if self._failing else "stopped"})
+                                  "cause": ("store restarted" if moved else "unreachable"
+                                            if self._failing else "stopped")})
                 print(f"noloco: replica {self.replica}: beating again after "
                       f"{now - self.last_beat:.1f} s cut off (steps {self._beat_step}-"
                       f"{self.step} without the others)", file=sys.stderr, flush=True)
@@ -197,7 +237,9 @@ class Membership:
                           flush=True)
                 if self._beat_store is not self.store:  # a connection of its own: renew it
                     self._beat_store = None
-                wait = min(2 * wait, self.peer_timeout)  # back off, never give up
+                # Back off, never give up; at most a second apart: a store that restarts is
+                # met within a second (a try costs a refused TCP connect while it is down).
+                wait = min(2 * wait, max(self.interval, 1.0))
 
     def finish(self) -> None:
         """Announce that this replica finished: nobody waits for it any more."""
@@ -242,13 +284,15 @@ class Membership:
                 out.append(r)
         return sorted(out)
 
-    def donors(self) -> list[int]:
+    def donors(self, commits_above: int | None = None) -> list[int]:
         """Live replicas that train (neither joining nor behind an all-reduce that went on
         without them), the furthest along first: the ones a joining or healing replica may
-        take its state from."""
+        take its state from — with ``commits_above``, only those that stepped with more
+        all-reduces (a DiLoCo replica that is behind heals from one of those)."""
         live = live_replicas(self.store, self.replicas, self.stages)
         ready = [(b["step"], r) for r, b in live.items()
-                 if r != self.replica and b["ready"] and not b.get("behind")]
+                 if r != self.replica and b["ready"] and not b.get("behind")
+                 and (commits_above is None or b.get("commits", 0) > commits_above)]
         return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
 
 
@@ -327,8 +371,9 @@ class Monitor:
     (module docstring). Runs beside the store, in a thread with its own connection; learns the
     run's size and timeout from the settings the first replica writes."""
 
-    def __init__(self, store: Any, clock: Any = time.monotonic) -> None:
-        self.store, self.clock = store, clock
+    def __init__(self, store: Any, clock: Any = time.monotonic, prefix: str = "") -> None:
+        self.store, self.clock, self.prefix = store, clock, prefix
+        """``prefix``: the run epoch's keys (:func:`noloco.elastic.keys.run_prefix`)"""
         self.moved: dict[tuple[int, int], tuple[tuple[int, int], float]] = {}
         """(replica, stage) → ((incarnation, counter) last seen, when it last changed)"""
         self.settings: dict[str, Any] | None = None
@@ -338,6 +383,8 @@ class Monitor:
 
     def start(self) -> Monitor:
         self.store = own_client(self.store)
+        if self.prefix:
+            self.store = Prefixed(self.store, self.prefix)
         self._thread = threading.Thread(target=self._loop, name="noloco-monitor", daemon=True)
         self._thread.start()
         return self

@@ -33,9 +33,14 @@ from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic.communicator import ElasticCommunicator
-from noloco.elastic.deadline import DeadlineStore, request_deadline, wait_reachable
+from noloco.elastic.deadline import (
+    Namespace,
+    open_store_patiently,
+    request_deadline,
+    wait_reachable,
+)
 from noloco.elastic.join import Joining
-from noloco.elastic.keys import PREFIX, join_key
+from noloco.elastic.keys import PREFIX, join_key, starts_key
 from noloco.elastic.membership import Membership
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
@@ -66,6 +71,8 @@ class ElasticTrainer(Joining, Trainer):
             cfg.train.keep_checkpoints)
         self.served = membership.store.add(join_key(lay.replica), 0)
         self.next_serve = self.served
+        self.generation = membership.ns.generation if membership.ns is not None else 0
+        """the store's epochs this replica moved through (its join counters are the epoch's)"""
         """join requests this replica has served (as a donor; a respawned one skips those
         made to its previous life)"""
         self.joins: list[dict[str, Any]] = []
@@ -135,6 +142,12 @@ class ElasticTrainer(Joining, Trainer):
             "retries": comm.retries, "longest_wait_seconds": comm.longest_wait,
             "arrival_seconds": comm.arrival_seconds,
             "partitions": self.membership.cuts, "unreachable_ops": comm.unreachable_ops,
+            "store_restarts": [
+                {**o, "operations_skipped": sum(o["from_step"] <= s <= o["to_step"]
+                                                for s in comm.unreachable_steps)}
+                for o in self.membership.outages],
+            "epoch": self.membership.ns.epoch if self.membership.ns is not None else 0,
+            "run_id": self.cfg.run_id(),
             "ops": dict(comm.ops),
             "events": comm.events, "joins": self.joins,
             "served": self.served, "resumed_from_step": self.resumed_from,
@@ -162,24 +175,26 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
-    wait_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), m.comm_timeout)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None,
-                          False, timedelta(seconds=m.comm_timeout))
-    # How many times this worker started before, counted in the store: a respawn, or a
-    # machine's command run again after a crash, joins from the live replicas.
-    incarnation = store.add(f"{PREFIX}/starts/{replica}/{stage}", 1) - 1
-    status.store, status.attempt = store, incarnation  # the launcher reads a failure report
-    # From here every request has a deadline (connecting above waited for a coordinator that
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    wait_reachable(host, port, m.comm_timeout)
+    # Every key under the run's id and epoch (a coordinator may serve many runs, and restart);
+    # from here every request has a deadline (connecting above waited for a coordinator that
     # may start after this machine): a partition holds no request longer than the peer
     # timeout (noloco.elastic.deadline).
-    membership = Membership(DeadlineStore(store, request_deadline(m.peer_timeout)), replica,
-                            m.replicas, m.peer_timeout, incarnation, stage, m.stages).start()
+    store = open_store_patiently(host, port, request_deadline(m.peer_timeout),
+                                 Namespace(cfg.run_id()), m.comm_timeout)
+    # How many times this worker started before, counted in the store: a respawn, or a
+    # machine's command run again after a crash, joins from the live replicas.
+    incarnation = store.add(starts_key(replica, stage), 1) - 1
+    status.store, status.attempt = store, incarnation  # the launcher reads a failure report
+    membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation, stage,
+                            m.stages).start()
     status.store = membership.store
     if m.stages > 1:
         # The replica's stages: a world of their own, on a store prefix of this incarnation
         # (a respawned replica must not read its dead predecessor's addresses).
         dist.init_process_group("gloo", store=dist.PrefixStore(
-            f"{PREFIX}/replica/{replica}/{incarnation}", store), rank=stage,
+            f"{PREFIX}/replica/{replica}/{incarnation}", store.raw), rank=stage,
             world_size=m.stages, timeout=timedelta(seconds=m.comm_timeout))
     # attempt = incarnation: injected faults fire in the first incarnation only.
     ctx = DistContext(store=None, attempt=incarnation)
@@ -233,6 +248,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
                            "partitions": [c for x in stages for c in x.get("partitions", [])],
                            "unreachable_ops": max(x.get("unreachable_ops", 0)
                                                   for x in stages),
+                           "store_restarts": [o for x in stages
+                                              for o in x.get("store_restarts", [])],
                            "param_bytes": sum(x["param_bytes"] for x in stages)}
     by_step: dict[int, list[dict[str, Any]]] = {}
     for r in range(m.replicas):
@@ -288,6 +305,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         "events": {str(r): s["events"] for r, s in finished.items()},
         "partitions": [c for s in finished.values() for c in s["partitions"]],
         "unreachable_operations": {str(r): s["unreachable_ops"] for r, s in finished.items()},
+        "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],
+        "run_id": cfg.run_id(),
         "failures": failures,
         "joins": joins + [j for s in finished.values() for j in s["joins"]],
         "weight_spread": spread,

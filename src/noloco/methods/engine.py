@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from noloco import quant
-from noloco.comm import Communicator, Pending, flatten
+from noloco.comm import SKIPPED, Communicator, Pending, flatten
 from noloco.methods.base import Method
 from noloco.quant import FORMATS
 from noloco.split import block_index, fragment_parameters
@@ -270,6 +270,8 @@ class OuterSync(Method, ABC):
         received = sync.pending.wait()
         self.wait_seconds.append(time.perf_counter() - t0)
         frag = self.frags[sync.fragment]
+        if isinstance(received, str) and received == SKIPPED:
+            return  # no outer step: φ unchanged, θ trains on (the next sync takes it all)
         frag.flat_phi.grad = self.pseudo_gradient(frag, sync, received)
         frag.outer.step()
         frag.flat_phi.grad = None

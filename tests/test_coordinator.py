@@ -1,0 +1,155 @@
+"""`noloco coordinator` is no single point of failure, and serves many runs at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from run_utils import SMALL, summary, wait_for
+
+RUN = [*SMALL, "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
+       "--peer-timeout", "3"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+STEPS = 400
+"""long enough that the replicas train on well after the coordinator is back"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def coordinator(port: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host", "127.0.0.1",
+                          "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=ENV)
+    assert p.stdout is not None and "listening on" in p.stdout.readline()
+    return p
+
+
+def train(out: Path, data: Path, port: int, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "noloco", "train", "--data", str(data), *RUN, "--elastic",
+         "--coordinator", f"127.0.0.1:{port}", "--replica-ids", "0-3", "--out", str(out),
+         *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def evaluated(out: Path, replica: int, step: int) -> bool:
+    p = out / "metrics" / f"replica-{replica}.jsonl"
+    return p.is_file() and any(json.loads(x)["step"] >= step
+                               for x in p.read_text().splitlines() if x.strip())
+
+
+def no_cpp_dump(text: str) -> None:
+    for sign in ("frame #", "Exception raised from", "terminate called", "Traceback"):
+        assert sign not in text, text[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["noloco", "diloco"])
+def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, shakespeare,
+                                                                     method):
+    port = free_port()
+    ref = subprocess.run([sys.executable, "-m", "noloco", "train", "--data", str(shakespeare),
+                          *RUN, "--method", method, "--steps", str(STEPS), "--out",
+                          str(tmp_path / "ref")], capture_output=True, text=True, env=ENV)
+    assert ref.returncode == 0, ref.stderr
+    coord = coordinator(port)
+    out = tmp_path / "run"
+    # Steps of a real model take seconds, not this one's 50 ms: slowed down (it changes no
+    # number), the outage of about 7 s is some 60 steps of 400, not half the run. DiLoCo is
+    # slowed more: its first all-reduce after the outage is an outer step over all of it.
+    slow = {"noloco": 2, "diloco": 3}[method]
+    proc = train(out, shakespeare, port, "--method", method, "--steps", str(STEPS),
+                 "--inject-fault", ",".join(f"slow:{r}:{slow}" for r in range(4)))
+    try:
+        wait_for(lambda: evaluated(out, 2, 40), 150, "replica 2 at step 40")
+        coord.send_signal(signal.SIGKILL)
+        coord.wait()
+        time.sleep(5)
+        coord = coordinator(port)  # the same address, empty
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+        coord.kill()
+    assert proc.returncode == 0, err
+    no_cpp_dump(err)
+    s = summary(out)
+    assert s["status"] == "completed" and s["replicas_finished"] == [0, 1, 2, 3], err
+    assert s["failures"] == []
+    # Every replica went on in the new epoch and says so, with the operations it skipped.
+    restarts = s["store_restarts"]
+    assert sorted(o["replica"] for o in restarts) == [0, 1, 2, 3], restarts
+    assert {o["epoch"] for o in restarts} == {1}
+    assert all(o["from_step"] <= o["to_step"] and o["operations_skipped"] >= 0
+               for o in restarts)
+    assert sum(o["operations_skipped"] for o in restarts) >= 1
+    assert "restarted empty" in err
+    # The replicas met again after it: each exchanged (or all-reduced) in the new epoch.
+    assert max(o["to_step"] for o in restarts) < STEPS - 60
+    for r in range(4):
+        assert json.loads((out / "metrics" / f"replica-{r}.json").read_text())["epoch"] == 1
+        sent = {json.loads(x)["step"]: json.loads(x)["bytes_sent"] for x in
+                (out / "metrics" / f"replica-{r}.jsonl").read_text().splitlines()}
+        assert sent[STEPS] > sent[STEPS - 40], sent
+    ref_loss = summary(tmp_path / "ref")["final_val_loss"]
+    assert abs(s["final_val_loss"] - ref_loss) <= 0.02 * ref_loss, (s["final_val_loss"],
+                                                                    ref_loss)
+
+
+@pytest.mark.timeout(200)
+def test_without_the_coordinator_for_the_timeout_replicas_save_and_stop(tmp_path, shakespeare):
+    port = free_port()
+    coord = coordinator(port)
+    out = tmp_path / "run"
+    proc = train(out, shakespeare, port, "--method", "noloco", "--steps", "100000",
+                 "--coordinator-timeout", "6", "--checkpoint-every", "0")
+    try:
+        wait_for(lambda: evaluated(out, 0, 20), 120, "replica 0 at step 20")
+        coord.kill()
+        coord.wait()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        coord.kill()
+    assert proc.returncode == 1, err
+    no_cpp_dump(err)
+    assert "--coordinator-timeout" in err
+    s = summary(out)
+    assert [f["kind"] for f in s["failures"]] == ["store lost"] * 4
+    for r in range(4):  # each saved where it stopped
+        assert any((out / "checkpoints" / f"replica-{r}").glob("step-*")), r
+
+
+@pytest.mark.timeout(300)
+def test_two_runs_share_a_coordinator_without_seeing_each_other(tmp_path, shakespeare):
+    """Two runs of the same settings and replica ids at one coordinator: each its own run id.
+    Apart, they compute exactly what one alone does (and the same bits as each other)."""
+    port = free_port()
+    coord = coordinator(port)
+    try:
+        procs = {name: train(tmp_path / name, shakespeare, port, "--method", "noloco",
+                             "--steps", "40", "--run-id", name, "--peer-timeout", "10")
+                 for name in ("a", "b")}
+        errs = {name: p.communicate(timeout=200)[1] for name, p in procs.items()}
+    finally:
+        coord.kill()
+        for p in procs.values():
+            p.kill()
+    for name, p in procs.items():
+        assert p.returncode == 0, errs[name]
+    a, b = summary(tmp_path / "a"), summary(tmp_path / "b")
+    assert a["run_id"] == "a" and b["run_id"] == "b"
+    for s in (a, b):
+        assert s["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
+        assert all(e == [] for e in s["events"].values())
+    assert a["final_val_loss_per_replica"] == b["final_val_loss_per_replica"]
+    assert a["bytes_sent"] == b["bytes_sent"]
