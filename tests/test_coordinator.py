@@ -27,10 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def coordinator(port: int) -> subprocess.Popen:
+def coordinator(port: int, *args: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host", "127.0.0.1",
-                          "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=ENV)
+                          "--port", str(port), *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=ENV)
     assert p.stdout is not None and "listening on" in p.stdout.readline()
     return p
 

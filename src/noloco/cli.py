@@ -84,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_export(sub)
     add_report(sub)
     from noloco.elastic.coordinator import add_subparser as add_coordinator
+    from noloco.elastic.status import add_subparser as add_status
     add_coordinator(sub)
+    add_status(sub)
     try:
         from noloco.netsim.cli import add_subparsers as add_netsim
         add_netsim(sub)

@@ -180,6 +180,9 @@ class TrainConfig:
     coordinator_timeout: float = opt(
         1800.0, "elastic: seconds a replica trains on while the run's store (the coordinator) "
         "does not answer; then it saves a checkpoint and stops")
+    dashboard: int | None = opt(
+        None, "elastic: serve a live view of the run (a page that refreshes itself: each "
+        "replica's state, step and loss) on 127.0.0.1:PORT; `noloco status OUT` prints it")
     respawn: int = opt(
         0, "elastic: start a replica that died again, up to R times in all; it fetches the live "
         "state from a running replica and rejoins")
@@ -387,8 +390,11 @@ class Config:
         if t.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t.run_id):
             raise ConfigError(f"--run-id takes 1-64 letters, digits, '.', '_' or '-', got "
                               f"{t.run_id!r}")
-        if (t.run_id is not None or t.coordinator_timeout != 1800.0) and not m.elastic:
-            raise ConfigError("--run-id and --coordinator-timeout need --elastic")
+        if (t.run_id is not None or t.coordinator_timeout != 1800.0
+                or t.dashboard is not None) and not m.elastic:
+            raise ConfigError("--run-id, --coordinator-timeout and --dashboard need --elastic")
+        if t.dashboard is not None and not 0 <= t.dashboard < 65536:
+            raise ConfigError(f"--dashboard takes a port (0-65535), got {t.dashboard}")
         if m.elastic and not t.coordinator_timeout > m.peer_timeout:
             raise ConfigError(f"--coordinator-timeout ({t.coordinator_timeout:g} s) must be "
                               f"longer than --peer-timeout ({m.peer_timeout:g} s)")
@@ -442,7 +448,7 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", 
              "train.keep_checkpoints", "train.max_restarts", "train.inject_fault",
              "method.comm_timeout", "method.stall_warning", "method.elastic",
              "method.peer_timeout", "train.respawn", "train.coordinator", "train.replica_ids",
-             "train.run_id", "train.coordinator_timeout")
+             "train.run_id", "train.coordinator_timeout", "train.dashboard")
 """Settings that may differ when a run is resumed: none of them changes the computed numbers
 (weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
 waits for peers."""

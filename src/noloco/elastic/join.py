@@ -119,6 +119,8 @@ class Joining:
             raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
         m.behind = self.comm.behind  # a behind replica is no donor (its heartbeat says so)
         m.commits = self.comm.commits
+        m.info.update(outer=self.method.outer_steps, blocked=round(self.comm.sync_seconds, 2),
+                      joins=sum(j.get("kind") in ("joined", "healed") for j in self.joins))
         if m.cut_off():
             silent = time.monotonic() - m.last_beat
             if silent > self.cfg.train.coordinator_timeout:

@@ -24,6 +24,7 @@ from noloco.config import local_replicas, parse_address
 from noloco.elastic.deadline import (
     Namespace,
     Renewing,
+    open_store,
     open_store_patiently,
     request_deadline,
     store_errors,
@@ -32,10 +33,11 @@ from noloco.elastic.deadline import (
 from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
+from noloco.elastic.status import STORE_FILE, Dashboard
 from noloco.elastic.worker import combine, replica_metrics
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT
 from noloco.launch import Supervisor
-from noloco.rundir import RunDir
+from noloco.rundir import RunDir, write_json_atomic
 
 
 class ElasticSupervisor(Supervisor):
@@ -74,6 +76,21 @@ class ElasticSupervisor(Supervisor):
         # Its reads outlive a coordinator's restart: a failed one is retried on a new
         # connection (in the run's new epoch) the next time.
         self.store = Renewing(conn, timeout)
+        address = t.coordinator or f"127.0.0.1:{self.port}"
+        write_json_atomic(self.out / STORE_FILE, {"address": address, "run_id": ns.run_id})
+        dashboard = None
+        if t.dashboard is not None:
+            try:
+                dashboard = Dashboard(Renewing(open_store(*parse_address(address), timeout),
+                                               timeout), t.dashboard, run_id=ns.run_id)
+            except OSError as e:
+                print(f"noloco: error: cannot serve the dashboard on 127.0.0.1:{t.dashboard} "
+                      f"({e.strerror})", file=sys.stderr)
+                if host is not None:
+                    host.stop()
+                return 2
+            print(f"noloco: live view of the run: http://127.0.0.1:{dashboard.port}/",
+                  file=sys.stderr, flush=True)
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         t0 = time.time()
         self.incarnation = {r: 0 for r in self.local}
@@ -150,6 +167,8 @@ class ElasticSupervisor(Supervisor):
                         dead.add(r)
                 time.sleep(0.05)
         finally:
+            if dashboard is not None:
+                dashboard.stop()
             if host is not None:
                 host.stop()
             self._stop_all()

@@ -78,6 +78,9 @@ class Membership:
         """an all-reduce went on without this replica: it is no donor until it healed"""
         self.commits = 0
         """all-reduces this replica stepped with (:attr:`ElasticCommunicator.commits`)"""
+        self.info: dict[str, Any] = {}
+        """what the heartbeat also tells a live view (:mod:`noloco.elastic.status`): outer
+        steps, the last validation loss, seconds blocked, joins"""
         self.joining = incarnation > 0
         """taking a live replica's state (a respawn): no member of new snapshots until done"""
         self._stop = threading.Event()
@@ -182,7 +185,7 @@ class Membership:
             self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
-                 "commits": self.commits,
+                 "commits": self.commits, **self.info,
                  **({"done": True} if done else {})}))
             if now - self.last_beat > self.peer_timeout:  # it was cut off meanwhile
                 self.cuts.append({"replica": self.replica, "stage": self.stage,

@@ -105,6 +105,8 @@ class ElasticTrainer(Joining, Trainer):
                "bytes_sent": self.comm.bytes_sent, "sync_seconds": self.comm.sync_seconds,
                "tokens_per_replica": step * self.tokens_per_step,
                "wall_seconds": self.loop_seconds(), "t": time.time()}
+        if val is not None:
+            self._membership.info["val"] = round(val, 5)
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         append_line(self.metrics_file, json.dumps(rec))
         if self.lay.replica == 0 and val is not None:  # replica 0's (last) stage speaks
