@@ -168,7 +168,8 @@ class TrainConfig:
         0, "restart the workers up to R times after one dies, from the newest checkpoint "
         "(local runs; under torchrun use torchrun's own --max-restarts)")
     coordinator: str | None = opt(
-        None, "elastic across machines: HOST:PORT of a running `noloco coordinator`; this "
+        None, "elastic across machines: HOST:PORT of a running `noloco coordinator`, or "
+        "etcd://H1:P1,H2:P2,... of an etcd cluster that keeps the run's coordination; this "
         "machine runs the replicas of --replica-ids")
     replica_ids: str | None = opt(
         None, "elastic with --coordinator: the replicas this machine runs, e.g. 0-3 or 4,5 "
@@ -385,7 +386,14 @@ class Config:
                 raise ConfigError("--peer-timeout must be > 0")
         if (t.coordinator or t.replica_ids) and not m.elastic:
             raise ConfigError("--coordinator and --replica-ids need --elastic")
-        if t.coordinator:
+        if t.coordinator and t.coordinator.startswith("etcd://"):
+            from noloco.elastic.etcd import parse_endpoints
+
+            try:
+                parse_endpoints(t.coordinator)
+            except ValueError as e:
+                raise ConfigError(f"--coordinator {t.coordinator}: {e}") from None
+        elif t.coordinator:
             parse_address(t.coordinator)
         if t.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t.run_id):
             raise ConfigError(f"--run-id takes 1-64 letters, digits, '.', '_' or '-', got "

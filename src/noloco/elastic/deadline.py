@@ -82,7 +82,8 @@ class _Thread:
         return True, box[0]
 
 
-_ONE_KEY = frozenset({"set", "get", "add", "compare_set", "delete_key", "append"})
+_ONE_KEY = frozenset({"set", "get", "add", "compare_set", "delete_key", "append",
+                      "set_leased"})
 _KEY_LIST = frozenset({"check", "multi_get", "multi_set", "wait"})
 _ABSENT = "\x00absent"
 
@@ -255,16 +256,44 @@ def wait_reachable(host: str, port: int, timeout: float) -> None:
 
 
 def connect(store: Any, timeout: float) -> Any:
-    """A new :class:`DeadlineStore` to the same TCPStore as ``store``, in its namespace (the
-    store itself when it is of another kind: a test's). Connecting is bounded by the deadline
-    too; raises ``DistStoreError`` when the store cannot be reached in it."""
+    """A new :class:`DeadlineStore` to the same store as ``store`` (a TCPStore, or an etcd
+    cluster), in its namespace (the store itself when it is of another kind: a test's).
+    Connecting is bounded by the deadline too; raises ``DistStoreError`` when the store
+    cannot be reached in it."""
     import torch.distributed as dist
 
     base = store.tcp if isinstance(store, DeadlineStore) else store
+    ns = store.ns if isinstance(store, DeadlineStore) else None
+    if hasattr(base, "fresh"):  # an etcd client: another one
+        return _entered(base.fresh(), timeout, ns)
     if not isinstance(base, dist.TCPStore):
         return store
-    return open_store(base.host, base.port, timeout,
-                      store.ns if isinstance(store, DeadlineStore) else None)
+    return open_store(base.host, base.port, timeout, ns)
+
+
+def _entered(store: Any, timeout: float, ns: Namespace | None,
+             thread: _Thread | None = None) -> DeadlineStore:
+    conn = DeadlineStore(store, timeout, thread)
+    if hasattr(store, "fresh"):
+        # Nobody hosts an etcd cluster for the run: the first client writes its boot token
+        # (it never changes: etcd does not restart empty).
+        conn.compare_set(BOOT_KEY, "", secrets.token_hex(8))
+    if ns is not None:
+        ns.enter(conn)
+        conn.ns = ns
+    return conn
+
+
+def open_address(address: str, timeout: float, ns: Namespace | None = None,
+                 lease_ttl: float = 10.0) -> DeadlineStore:
+    """:func:`open_store` for ``HOST:PORT``, or a client of the etcd cluster at
+    ``etcd://H1:P1,...`` (:mod:`noloco.elastic.etcd`; heartbeats live ``lease_ttl`` s)."""
+    from noloco.elastic.etcd import SCHEME, EtcdStore, parse_endpoints
+
+    if address.startswith(SCHEME):
+        return _entered(EtcdStore(parse_endpoints(address), timeout, lease_ttl), timeout, ns)
+    host, _, port = address.rpartition(":")
+    return open_store(host, int(port), timeout, ns)
 
 
 def open_store(host: str, port: int, timeout: float, ns: Namespace | None = None
@@ -292,21 +321,17 @@ def open_store(host: str, port: int, timeout: float, ns: Namespace | None = None
     ok, value = result
     if not ok:
         raise value
-    conn = DeadlineStore(value, timeout, thread)
-    if ns is not None:
-        ns.enter(conn)
-        conn.ns = ns
-    return conn
+    return _entered(value, timeout, ns, thread)
 
 
-def open_store_patiently(host: str, port: int, timeout: float, ns: Namespace | None,
-                         patience: float) -> DeadlineStore:
-    """:func:`open_store`, tried again for ``patience`` seconds: for a worker or launcher
+def open_store_patiently(address: str, timeout: float, ns: Namespace | None,
+                         patience: float, lease_ttl: float = 10.0) -> DeadlineStore:
+    """:func:`open_address`, tried again for ``patience`` seconds: for a worker or launcher
     that may start before its coordinator does, or while it restarts."""
     deadline = time.monotonic() + patience
     while True:
         try:
-            return open_store(host, port, timeout, ns)
+            return open_address(address, timeout, ns, lease_ttl)
         except store_errors():
             if time.monotonic() >= deadline:
                 raise

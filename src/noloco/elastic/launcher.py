@@ -24,12 +24,13 @@ from noloco.config import local_replicas, parse_address
 from noloco.elastic.deadline import (
     Namespace,
     Renewing,
-    open_store,
+    open_address,
     open_store_patiently,
     request_deadline,
     store_errors,
     wait_reachable,
 )
+from noloco.elastic.etcd import SCHEME, parse_endpoints
 from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
@@ -53,18 +54,23 @@ class ElasticSupervisor(Supervisor):
         ns = Namespace(self.cfg.run_id())
         host = None
         try:
-            if t.coordinator:  # across machines: the coordinator hosts the store
+            if t.coordinator and t.coordinator.startswith(SCHEME):  # an etcd cluster
+                self.coordinator = parse_endpoints(t.coordinator)[0]
+                self.port = self.coordinator[1]
+                conn = open_store_patiently(t.coordinator, timeout, ns,
+                                            self.cfg.method.comm_timeout)
+            elif t.coordinator:  # across machines: the coordinator hosts the store
                 self.coordinator = parse_address(t.coordinator)
                 self.port = self.coordinator[1]
                 wait_reachable(*self.coordinator, self.cfg.method.comm_timeout)
-                conn = open_store_patiently(*self.coordinator, timeout, ns,
+                conn = open_store_patiently(t.coordinator, timeout, ns,
                                             self.cfg.method.comm_timeout)
             else:
                 # This launcher hosts it, and judges liveness beside it (on one clock).
                 self.coordinator = None
                 host = Host("127.0.0.1", 0, self.cfg.method.comm_timeout)
                 self.port = host.port
-                conn = open_store_patiently("127.0.0.1", self.port, timeout, ns,
+                conn = open_store_patiently(f"127.0.0.1:{self.port}", timeout, ns,
                                             self.cfg.method.comm_timeout)
         except Exception as e:  # noqa: BLE001 - one line, whatever the store says
             if host is not None:
@@ -81,8 +87,8 @@ class ElasticSupervisor(Supervisor):
         dashboard = None
         if t.dashboard is not None:
             try:
-                dashboard = Dashboard(Renewing(open_store(*parse_address(address), timeout),
-                                               timeout), t.dashboard, run_id=ns.run_id)
+                dashboard = Dashboard(Renewing(open_address(address, timeout), timeout),
+                                      t.dashboard, run_id=ns.run_id)
             except OSError as e:
                 print(f"noloco: error: cannot serve the dashboard on 127.0.0.1:{t.dashboard} "
                       f"({e.strerror})", file=sys.stderr)
@@ -220,6 +226,8 @@ class ElasticSupervisor(Supervisor):
             # Across machines: the coordinator's store, and gloo on the interface the user
             # names (GLOO_SOCKET_IFNAME) or the one the hostname resolves to — not loopback.
             env.update(MASTER_ADDR=self.coordinator[0], MASTER_PORT=str(self.coordinator[1]))
+            if self.cfg.train.coordinator.startswith(SCHEME):
+                env["NOLOCO_STORE"] = self.cfg.train.coordinator
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 if var in os.environ:
                     env[var] = os.environ[var]

@@ -182,7 +182,10 @@ class Membership:
             if moved:
                 self._new_epoch(self._beat_store, now)
             self.beats += 1
-            self._beat_store.set(heartbeat_key(self.replica, self.stage), json.dumps(
+            # On etcd a heartbeat lives under a lease: the cluster deletes it when this
+            # worker stops renewing (liveness on the cluster's clock, no monitor).
+            write = getattr(self._beat_store, "set_leased", None) or self._beat_store.set
+            write(heartbeat_key(self.replica, self.stage), json.dumps(
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
                  "commits": self.commits, **self.info,

@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from noloco.elastic.deadline import Prefixed, open_store, store_errors
+from noloco.elastic.deadline import Prefixed, open_address, store_errors
+from noloco.elastic.etcd import SCHEME, parse_endpoints
 from noloco.elastic.host import runs_of
 from noloco.elastic.keys import (
     heartbeat_key,
@@ -316,8 +317,9 @@ def add_subparser(sub: Any) -> None:
                        "joining, behind, late, dead, finished), step, outer steps, last "
                        "validation loss, seconds blocked, joins and restarts, and the epoch.")
     p.add_argument("where", metavar="COORDINATOR_OR_RUN_DIR",
-                   help="HOST:PORT of a coordinator (every run there), or a run directory of "
-                        "an elastic run (its store while it runs; its files after)")
+                   help="HOST:PORT of a coordinator or etcd://H1:P1,... of an etcd cluster "
+                        "(every run there), or a run directory of an elastic run (its store "
+                        "while it runs; its files after)")
     p.add_argument("--run-id", help="only this run (at a coordinator)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.set_defaults(func=run_status)
@@ -339,13 +341,16 @@ def run_status(ns: argparse.Namespace) -> int:
     else:
         address = where
     try:
-        host, port = parse_address(address)
-    except ConfigError:
-        print(f"noloco: error: {where} is neither a run directory nor HOST:PORT",
-              file=sys.stderr)
+        if address.startswith(SCHEME):
+            parse_endpoints(address)
+        else:
+            parse_address(address)
+    except (ConfigError, ValueError):
+        print(f"noloco: error: {where} is neither a run directory, HOST:PORT nor "
+              f"etcd://HOST:PORT,...", file=sys.stderr)
         return 2
     try:
-        store = open_store(host, port, 5.0)
+        store = open_address(address, 5.0)
         runs = runs_at(store)
         found = [collect(store, name, epoch) for name, epoch in sorted(runs.items())
                  if run_id is None or name == run_id]

@@ -177,14 +177,19 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    wait_reachable(host, port, m.comm_timeout)
+    # The run's store: NOLOCO_STORE (an etcd cluster), else the launcher's or coordinator's
+    # TCPStore at MASTER_ADDR:MASTER_PORT.
+    address = os.environ.get("NOLOCO_STORE") or (
+        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    if "NOLOCO_STORE" not in os.environ:
+        wait_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                       m.comm_timeout)
     # Every key under the run's id and epoch (a coordinator may serve many runs, and restart);
     # from here every request has a deadline (connecting above waited for a coordinator that
     # may start after this machine): a partition holds no request longer than the peer
     # timeout (noloco.elastic.deadline).
-    store = open_store_patiently(host, port, request_deadline(m.peer_timeout),
-                                 Namespace(cfg.run_id()), m.comm_timeout)
+    store = open_store_patiently(address, request_deadline(m.peer_timeout),
+                                 Namespace(cfg.run_id()), m.comm_timeout, m.peer_timeout)
     # How many times this worker started before, counted in the store: a respawn, or a
     # machine's command run again after a crash, joins from the live replicas.
     incarnation = store.add(starts_key(replica, stage), 1) - 1

@@ -1,0 +1,123 @@
+"""The run's coordination in an etcd cluster (`--coordinator etcd://...`): a store with
+TCPStore's answers, gloo's rendezvous on it, heartbeats under leases, and a run that loses
+an etcd member and a replica and goes on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from etcd_cluster import Cluster, available
+from run_utils import SMALL, cli, summary, wait_for
+from test_coordinator import ENV, evaluated, free_port, no_cpp_dump
+
+from noloco.elastic.etcd import EtcdStore, parse_endpoints
+
+OK, WHY = available()
+pytestmark = pytest.mark.skipif(not OK, reason=WHY)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("etcd")) as c:
+        yield c
+
+
+def script(store: dist.Store, tag: str) -> list:
+    """The store operations the elastic code uses, and what each answered."""
+    k = f"{tag}/"
+    out = []
+    store.set(k + "a", "1")
+    out += [store.get(k + "a"), store.add(k + "n", 2), store.add(k + "n", 3),
+            store.add(k + "n", 0), store.add(k + "fresh", 0)]
+    out += [store.compare_set(k + "c", "", "x"), store.compare_set(k + "c", "", "y"),
+            store.compare_set(k + "c", "x", "z"), store.compare_set(k + "none", "q", "r")]
+    store.append(k + "l", "1,")
+    store.append(k + "l", "2,")
+    out += [store.get(k + "l"), store.check([k + "a", k + "l"]),
+            store.check([k + "a", k + "missing"]), store.multi_get([k + "a", k + "l"])]
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        store.wait([k + "missing"], timedelta(seconds=0.3))
+    out.append(0.25 < time.monotonic() - t0 < 3)
+    out += [store.delete_key(k + "a"), store.delete_key(k + "a"), store.check([k + "a"])]
+    return out
+
+
+def test_the_etcd_store_answers_as_a_tcpstore_does(cluster):
+    port = free_port()
+    tcp = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=5),
+                        wait_for_workers=False)
+    etcd = EtcdStore(parse_endpoints(cluster.address), 5.0)
+    assert script(etcd, "same") == script(tcp, "same")
+
+
+def test_gloo_meets_through_etcd_and_a_heartbeat_lives_by_its_lease(cluster):
+    clients = [EtcdStore(parse_endpoints(cluster.address), 10.0) for _ in range(2)]
+    out: list = [None, None]
+
+    def member(r: int) -> None:
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("pg", clients[r]), r, 2,
+                                   timedelta(seconds=10))
+        x = torch.full((3,), float(r + 1))
+        pg.allreduce([x]).wait()
+        out[r] = x
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(x is not None and x.tolist() == [3.0, 3.0, 3.0] for x in out)
+    hb = EtcdStore(parse_endpoints(cluster.address), 5.0, lease_ttl=2)
+    hb.set_leased("hb/0", "1")
+    for _ in range(4):  # renewed: alive past its TTL
+        time.sleep(0.8)
+        hb.set_leased("hb/0", "2")
+    assert hb.check(["hb/0"])
+    wait_for(lambda: not hb.check(["hb/0"]), 10, "the lease to expire")  # stopped: gone
+
+
+@pytest.mark.timeout(400)
+def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, shakespeare):
+    """A cluster of its own (a member is killed). The replicas meet only through etcd: no
+    noloco coordinator runs. The leading member is killed mid-run — training goes on with no
+    event — and replica 2 is killed and started again: it joins from a live one."""
+    with Cluster(tmp_path / "etcd") as c:
+        out = tmp_path / "run"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+             "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
+             "--peer-timeout", "5", "--method", "noloco", "--steps", "200", "--elastic",
+             "--coordinator", c.address, "--replica-ids", "0-3", "--respawn", "1",
+             "--inject-fault", "kill:2@100", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        try:
+            wait_for(lambda: evaluated(out, 0, 40), 200, "step 40")
+            c.kill(c.leader())
+            wait_for(lambda: evaluated(out, 0, 60), 200, "step 60")
+            r = cli("status", c.address)  # the live view reads etcd too
+            assert r.returncode == 0 and r.stdout.count("training") >= 3, r.stdout + r.stderr
+            _, err = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, err
+    no_cpp_dump(err)
+    s = summary(out)
+    assert s["status"] == "completed" and s["replicas_finished"] == [0, 1, 2, 3], err
+    assert [(f["replica"], f["kind"]) for f in s["failures"]] == [(2, "SIGKILL")]
+    assert any(j.get("kind") == "joined" and j.get("replica") == 2 for j in s["joins"])
+    # The lost etcd member cost nothing: no replica was cut off or missed an operation
+    # but for replica 2's death.
+    assert s["partitions"] == [] and s["store_restarts"] == []
+    assert all(v == 0 for v in s["unreachable_operations"].values())
+    for ev in s["events"].values():
+        assert all(e.get("missing", [2]) == [2] and e["kind"] != "unreachable" for e in ev), ev
+    assert json.loads((out / "store.json").read_text())["address"] == c.address
