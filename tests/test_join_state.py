@@ -29,7 +29,8 @@ class Replica(Joining):
                                    NullCommunicator())
         self.runner = SimpleNamespace(named_parameters=self.model.named_parameters)
         self.params = list(self.model.parameters())
-        self.comm = SimpleNamespace(calls=3, commits=2, behind=True, back=lambda: None)
+        self.comm = SimpleNamespace(calls=3, commits=2, behind=True, unsure=False,
+                                    back=lambda: None)
         self.state = SimpleNamespace(step=8)
         self.status = SimpleNamespace(step=8)
         self.membership = SimpleNamespace(step=8)

@@ -112,7 +112,7 @@ def test_a_local_run_serves_its_dashboard_and_status_reads_its_files_after(tmp_p
     out, web = tmp_path / "run", free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *RUN,
-         "--method", "diloco", "--steps", "400", "--elastic", "--dashboard", str(web),
+         "--method", "diloco", "--steps", "200", "--elastic", "--dashboard", str(web),
          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=ENV)
     try:

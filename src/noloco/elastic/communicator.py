@@ -92,6 +92,11 @@ class ElasticCommunicator(Communicator):
         self.commits = 0
         """all-reduces this replica stepped with, as every member of their outcome did: a
         replica with fewer than a live one's has other slow weights — it is behind"""
+        self.unsure = False
+        """behind for want of the store (cut off, or an outcome it could not read): whether
+        anyone stepped meanwhile is unknown, so it heals only from a replica with more
+        commits — otherwise (it was late: the others stepped without it) from any donor,
+        waiting for one (heartbeats may not show the others' new commits yet)"""
         self.unreachable_steps: list[int] = []
         """the step of each operation done alone or skipped for want of the store"""
 
@@ -185,7 +190,7 @@ class ElasticCommunicator(Communicator):
         pipeline stages a replica only ever takes a state as it starts, so it is back.)"""
         self._marked = True
         if self.m.stages == 1 and self.behind_by() > self.peer_timeout:
-            self.behind = True
+            self.behind, self.unsure = True, False
         else:
             self.back()
 
@@ -399,11 +404,11 @@ class ElasticCommunicator(Communicator):
             # stepped meanwhile this replica has fewer commits and heals; if nobody could
             # (the coordinator was down), everyone's slow weights are still alike and the next
             # all-reduce takes every replica's progress since.
-            self.behind = True
+            self.behind = self.unsure = True
             return _Done(self, SKIPPED)
         if self.rank not in candidates:  # dropped while silent: this step alone
             self.events.append({"call": call, "step": self.m.step, "kind": "not_in_snapshot"})
-            self.behind = len(candidates) > 0
+            self.behind, self.unsure = len(candidates) > 0, False
             return _Done(self, None)
         original = tensor.clone()
         start = time.perf_counter()
@@ -411,7 +416,7 @@ class ElasticCommunicator(Communicator):
             return self._all_reduce(call, tensor, original, candidates, mean)
         except store_errors() as e:  # the outcome is unknown here: take a committed state
             tensor.copy_(original)
-            self.behind = True
+            self.behind = self.unsure = True
             self._unreachable(call, e)
             return _Done(self, SKIPPED)
         finally:
@@ -432,6 +437,7 @@ class ElasticCommunicator(Communicator):
                 # Late: the others stepped without this replica. Alone by the others'
                 # absence: nobody holds other slow weights to catch up with.
                 self.behind = self.rank not in final
+                self.unsure = False
                 self.commits += not self.behind
                 return _Done(self, None)
             t0 = time.perf_counter()
@@ -452,7 +458,7 @@ class ElasticCommunicator(Communicator):
                 event["error"] = error
             if committed:  # it completed on other members, who stepped: take their state
                 self.events.append({**event, "kind": "behind"})
-                self.behind = True
+                self.behind, self.unsure = True, False
                 return _Done(self, None)
             self.retries += 1
             self.events.append({**event, "kind": "lost" if error else "aborted"})

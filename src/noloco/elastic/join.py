@@ -262,14 +262,15 @@ class Joining:
         # after an outage of the store that nobody could step through, everyone is marked
         # behind, yet every slow weight is alike and the next all-reduce takes everyone's
         # progress — taking one replica's state would throw the others' away.
-        above = None if self.cfg.method.method == "noloco" else self.comm.commits
+        unsure = self.cfg.method.method != "noloco" and self.comm.unsure
+        above = self.comm.commits if unsure else None
         if self.membership.donors(above):
             resumed_from = self.resumed_from
             # failed: again before the next step
             self.join(own=None, tries=1, kind="healed", commits_above=above)
             self.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
-            self.comm.behind = False
+            self.comm.behind = self.comm.unsure = False
             self.comm.back()
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
@@ -416,5 +417,5 @@ class Joining:
         self.resumed_from = self.state.step
         # A live state: not behind, and no longer marked for an operation it (or its
         # previous life) missed — maybe marked after this process started.
-        self.comm.behind = False
+        self.comm.behind = self.comm.unsure = False
         self.comm.back()
