@@ -152,6 +152,10 @@ def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
     lost = [e for ev in {**s0["events"], **s1["events"]}.values() for e in ev
             if e["kind"] == "lost"]
     assert lost == [], lost
-    assert s0["longest_wait_seconds"]["0"] > timeout  # an exchange outlasted the peer timeout
-    assert s0["bytes_sent_per_replica"]["0"] > 3 * 3.5e6  # several exchanges went through
-    assert s1["bytes_sent_per_replica"]["1"] > 3.5e6  # the joiner's too, after its join
+    # An exchange went through that outlasted the peer timeout twice over (its transfer
+    # alone takes ~3 x). How many of the 8 exchanges meet in the arrival window depends on
+    # the machine's load (a machine that starts late joins instead, and is left out of an
+    # operation or two): CI once saw 1 of 8 with nothing lost, so count none beyond one.
+    assert s0["longest_wait_seconds"]["0"] > 2 * timeout
+    assert s0["bytes_sent_per_replica"]["0"] > 3.5e6
+    assert s1["bytes_sent_per_replica"]["1"] > 3.5e6
