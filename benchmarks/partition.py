@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def one_run(a: argparse.Namespace, name: str, subnet: str, port: int, out: Path,
     with netns.Namespaces([None, None], prefix="nlbp", subnet=subnet) as ns:
         host = ns.workers[0].addr
         env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")
+        env.setdefault("NOLOCO_SECRET", secrets.token_hex(32))  # the run's, on every machine
         coord = ns.popen(0, [sys.executable, "-m", "noloco", "coordinator", "--host", host,
                              "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
         assert coord.stdout is not None and "listening on" in coord.stdout.readline()

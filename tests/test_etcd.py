@@ -121,3 +121,49 @@ def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, s
     for ev in s["events"].values():
         assert all(e.get("missing", [2]) == [2] and e["kind"] != "unreachable" for e in ev), ev
     assert json.loads((out / "store.json").read_text())["address"] == c.address
+
+
+def _enable_auth(c: Cluster, user: str, password: str) -> None:
+    """etcd's own authentication, switched on as an operator would (etcdctl's calls)."""
+    import urllib.request
+
+    for path, body in (("role/add", {"name": "root"}),
+                       ("user/add", {"name": user, "password": password}),
+                       ("user/grant", {"user": user, "role": "root"}), ("enable", {})):
+        req = urllib.request.Request(f"http://127.0.0.1:{c.client[0]}/v3/auth/{path}",
+                                     json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+
+
+@pytest.mark.timeout(240)
+def test_etcd_authentication_admits_its_users_only(tmp_path, shakespeare):
+    """With etcd's authentication on, a client needs a user (NOLOCO_ETCD_USER,
+    NOLOCO_ETCD_PASSWORD): without one, or with a wrong password, it stops in one line; with
+    it the store works, an expired token is fetched again, and a run trains."""
+    from noloco.elastic.etcd import EtcdAuthError
+
+    with Cluster(tmp_path / "etcd", members=1) as c:
+        _enable_auth(c, "root", "pw-of-the-run")
+        ends = parse_endpoints(c.address)
+        with pytest.raises(EtcdAuthError, match="asks for a user: set NOLOCO_ETCD_USER"):
+            EtcdStore(ends, 5.0, credentials=None).set("k", "v")
+        with pytest.raises(EtcdAuthError, match="refused user 'root'"):
+            EtcdStore(ends, 5.0, credentials=("root", "wrong")).set("k", "v")
+        store = EtcdStore(ends, 5.0, credentials=("root", "pw-of-the-run"))
+        assert script(store, "auth") == script(dist.HashStore(), "auth")
+        store._token = "expired.1"  # as etcd's --auth-token-ttl would leave it
+        assert store.add("auth/n", 1) == 6
+        store.set_leased("auth/beat", "1")  # leases under the token too
+        run = ["train", "--data", str(shakespeare), *SMALL, "--replicas", "2",
+               "--sync-every", "10", "--eval-every", "20", "--method", "noloco", "--steps", "40",
+               "--elastic", "--coordinator", c.address]
+        env = {k: v for k, v in ENV.items() if not k.startswith("NOLOCO_ETCD")}
+        r = cli(*run, "--out", str(tmp_path / "none"), env=env, timeout=60)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "asks for a user" in lines[0], r.stderr
+        r = cli(*run, "--out", str(tmp_path / "run"), timeout=180,
+                env=dict(env, NOLOCO_ETCD_USER="root", NOLOCO_ETCD_PASSWORD="pw-of-the-run"))
+        assert r.returncode == 0, r.stderr
+        assert summary(tmp_path / "run")["replicas_finished"] == [0, 1]

@@ -123,6 +123,14 @@ class MethodConfig:
         False, "replicas are fault domains: one that dies or stalls is dropped after "
         "--peer-timeout and the others train on (noloco, diloco, streaming; stages: noloco "
         "with --routing fixed; docs/elastic.md)")
+    update_guard: bool = opt(
+        True, "noloco, diloco, streaming: check every update before it is used — a partner's "
+        "(noloco) or this replica's own outer gradient (diloco, streaming) must be finite and "
+        "within --guard-factor x the running median of recent update sizes; a rejected one is "
+        "left out and listed in the summary (docs/security.md)")
+    guard_factor: float = opt(
+        10.0, "the update guard's k: an update further than k x the running median of recent "
+        "ones is rejected")
     peer_timeout: float = opt(
         10.0, "elastic: seconds a replica waits for a group member to arrive before going on "
         "without it, and silence after which a replica is dropped from the membership (the "
@@ -178,6 +186,10 @@ class TrainConfig:
         None, "elastic: the run's name at its coordinator (letters, digits, '.', '_', '-'): "
         "runs that share a coordinator need different ones (default: derived from the run's "
         "settings, alike on every machine)")
+    secret_file: str | None = opt(
+        None, "elastic with --coordinator HOST:PORT: a file holding the run secret that the "
+        "coordinator asks every machine to prove (NOLOCO_SECRET gives it instead; "
+        "docs/security.md)")
     coordinator_timeout: float = opt(
         1800.0, "elastic: seconds a replica trains on while the run's store (the coordinator) "
         "does not answer; then it saves a checkpoint and stops")
@@ -191,8 +203,9 @@ class TrainConfig:
         "", "testing tool: faults to inject, comma-separated: kill:REPLICA@STEP (SIGKILL), "
         "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), hang:REPLICA@STEP[:SECONDS] (the "
         "training loop stops, the heartbeat goes on), crash:REPLICA@STEP (an error), "
-        "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but slow fire once, in the "
-        "first attempt")
+        "corrupt:REPLICA@STEP:nan or corrupt:REPLICA@STEP:scale:F (its weights turn NaN or "
+        "are multiplied by F), slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but "
+        "slow fire once, in the first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
     compile: bool = opt(
         False, "torch.compile the model (each pipeline stage): faster steps after a first one "
@@ -360,6 +373,8 @@ class Config:
                               f"{d.batch_size}")
         if not m.comm_timeout > 0:
             raise ConfigError("--comm-timeout must be > 0")
+        if not m.guard_factor > 1:
+            raise ConfigError(f"--guard-factor must be > 1, got {m.guard_factor:g}")
         if not m.stall_warning > 0:
             raise ConfigError("--stall-warning must be > 0")
         if o.schedule_steps is not None:
@@ -398,6 +413,10 @@ class Config:
         if t.run_id is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", t.run_id):
             raise ConfigError(f"--run-id takes 1-64 letters, digits, '.', '_' or '-', got "
                               f"{t.run_id!r}")
+        if t.secret_file is not None and (not t.coordinator
+                                          or t.coordinator.startswith("etcd://")):
+            raise ConfigError("--secret-file needs --coordinator HOST:PORT (an etcd cluster "
+                              "uses etcd's own authentication: docs/security.md)")
         if (t.run_id is not None or t.coordinator_timeout != 1800.0
                 or t.dashboard is not None) and not m.elastic:
             raise ConfigError("--run-id, --coordinator-timeout and --dashboard need --elastic")
@@ -456,7 +475,8 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", 
              "train.keep_checkpoints", "train.max_restarts", "train.inject_fault",
              "method.comm_timeout", "method.stall_warning", "method.elastic",
              "method.peer_timeout", "train.respawn", "train.coordinator", "train.replica_ids",
-             "train.run_id", "train.coordinator_timeout", "train.dashboard")
+             "train.run_id", "train.coordinator_timeout", "train.dashboard",
+             "train.secret_file")
 """Settings that may differ when a run is resumed: none of them changes the computed numbers
 (weights, losses, bytes), only how long the run goes, what it logs and saves, and how long it
 waits for peers."""

@@ -15,13 +15,18 @@ names a worker by its replica (and optionally its stage) and an inner step:
   60) while the process — its heartbeat thread included — runs on: a replica stuck in a
   deadlock, a dead accelerator or a filesystem call, which looks alive to every heartbeat.
 
+- ``corrupt:R@S:nan`` / ``corrupt:R@S:scale:F`` — after inner step S the weights of replica R
+  turn NaN, or are multiplied by F: a faulty accelerator, a bit flip, a bug — what the update
+  guard (:mod:`noloco.guard`) keeps from spreading.
+
 ``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
-kill, stall, hang and crash fire once per run: in the first attempt of a fresh run, never
+kill, stall, hang, crash and corrupt fire once per run: in the first attempt of a fresh run, never
 again after a restart or a resume (which would otherwise replay them forever).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -29,9 +34,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 from noloco.errors import ConfigError
 
-KINDS = ("kill", "stall", "hang", "slow", "crash")
+KINDS = ("kill", "stall", "hang", "slow", "crash", "corrupt")
 HANG_SECONDS = 60.0
 """how long ``hang:R@S`` stops the training loop when it names no time"""
 
@@ -45,6 +52,7 @@ class Fault:
     step: int = 0
     seconds: float = 0.0
     factor: float = 1.0
+    """slow: the step's stretch; corrupt: what the weights are multiplied by (NaN: nan)"""
 
     def hits(self, replica: int, stage: int) -> bool:
         return self.replica == replica and (self.stage is None or self.stage == stage)
@@ -62,6 +70,19 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                 fault = Fault("slow", replica, stage, factor=float(factor))
                 if not fault.factor >= 1.0:
                     raise ValueError
+            elif kind == "corrupt":
+                who, _, when = rest.partition("@")
+                parts = when.split(":")
+                replica, stage = _who(who, default_stage=None)
+                if parts[1:] == ["nan"]:
+                    factor = math.nan
+                elif len(parts) == 3 and parts[1] == "scale":
+                    factor = float(parts[2])
+                else:
+                    raise ValueError
+                fault = Fault("corrupt", replica, stage, step=int(parts[0]), factor=factor)
+                if fault.step < 1:
+                    raise ValueError
             elif kind in ("kill", "stall", "hang", "crash"):
                 who, _, when = rest.partition("@")
                 parts = when.split(":")
@@ -78,7 +99,8 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
         except ValueError:
             raise ConfigError(f"bad --inject-fault {item!r} (expected kill:REPLICA@STEP, "
                               f"stall:REPLICA@STEP:SECONDS, hang:REPLICA@STEP[:SECONDS], "
-                              f"crash:REPLICA@STEP or "
+                              f"crash:REPLICA@STEP, corrupt:REPLICA@STEP:nan, "
+                              f"corrupt:REPLICA@STEP:scale:FACTOR or "
                               f"slow:REPLICA:FACTOR>=1)") from None
         if not 0 <= fault.replica < replicas or (
                 fault.stage is not None and not 0 <= fault.stage < stages):
@@ -113,7 +135,7 @@ class FaultInjector:
         if self.slow > 1.0:
             time.sleep((self.slow - 1.0) * step_seconds)
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, params: list[torch.Tensor] | None = None) -> None:
         # The first step at or past the fault's: an elastic replica that caught up by taking
         # a live state jumps over steps, and its fault must not vanish with them.
         due = [s for s in self.pending if s <= step]
@@ -126,6 +148,16 @@ class FaultInjector:
             print(f"noloco: injected fault: SIGKILL to {who} after step {step}",
                   file=sys.stderr, flush=True)
             os.kill(pid, signal.SIGKILL)
+        elif fault.kind == "corrupt":
+            what = "turn NaN" if math.isnan(fault.factor) else f"are multiplied by {fault.factor:g}"
+            print(f"noloco: injected fault: the weights of {who} {what} after step {step}",
+                  file=sys.stderr, flush=True)
+            with torch.no_grad():
+                for p in params or []:
+                    if math.isnan(fault.factor):
+                        p.fill_(math.nan)
+                    else:
+                        p.mul_(fault.factor)
         elif fault.kind == "crash":
             raise InjectedCrash(f"injected crash of {who} after step {step}")
         elif fault.kind == "hang":

@@ -8,6 +8,7 @@ exactly what the method sent and waited for.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -89,17 +90,35 @@ def weight_spread(params: list[torch.Tensor], lay: Any, world: Communicator,
 
 def gather_scalars(world: Communicator, lay: Any, values: list[float],
                    how: str = "mean") -> list[float]:
-    """``values`` of every worker reduced by ``how``: mean, max, or stage_sum (one number per
-    stage: the sum of replica 0's worker of that stage's values)."""
+    """``values`` of every worker reduced by ``how``: mean, max, sum, or stage_sum (one number
+    per stage: the sum of replica 0's worker of that stage's values)."""
     v = torch.tensor(values, dtype=torch.float64)
     if lay.world == 1:
         return [float(x) for x in v]
     rows = torch.stack(world.all_gather(v))
     if how == "max":
         return [float(x) for x in rows.max(0).values]
+    if how == "sum":
+        return [float(x) for x in rows.sum(0)]
     if how == "stage_sum":
         return [float(rows[lay.global_rank(0, s)].sum()) for s in range(lay.stages)]
     return [float(x) for x in rows.mean(0)]
+
+
+def gather_json(world: Communicator, lay: Any, obj: Any) -> list[Any]:
+    """``obj`` (JSON-able) of every worker, in rank order. Collective."""
+    blob = json.dumps(obj).encode()
+    if lay.world == 1:
+        return [obj]
+    size = int(gather_scalars(world, lay, [len(blob)], "max")[0])
+    buf = torch.zeros(size + 8, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(blob)], dtype=torch.int64).view(torch.uint8)
+    buf[8:8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out = []
+    for row in world.all_gather(buf):
+        n = int(row[:8].view(torch.int64)[0])
+        out.append(json.loads(bytes(row[8:8 + n].tolist())))
+    return out
 
 
 def duration(seconds: float) -> str:
@@ -385,4 +404,12 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         summary.update(trainer.runner.report())
     if hasattr(trainer.method, "report"):
         summary.update(trainer.method.report())
+    guard = getattr(trainer.method, "guard", None)
+    if guard is not None:  # every worker's rejections, not rank 0's alone
+        mine = [{"replica": lay.replica, "stage": lay.stage, **r} for r in guard.rejected]
+        summary["update_guard"] = {
+            "factor": guard.factor,
+            "checked": int(sum(gather_scalars(trainer.world, lay, [guard.checked], "sum"))),
+            "rejected": sorted((r for rs in gather_json(trainer.world, lay, mine) for r in rs),
+                               key=lambda r: (r["step"], r["replica"], r["stage"]))}
     return summary

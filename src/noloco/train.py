@@ -375,6 +375,15 @@ class Trainer:
                 if beat is not None:
                     beat.step = st.step
             method.after_inner_step()
+            guard = getattr(method, "guard", None)
+            if guard is not None and guard.restart_inner:
+                # Its own update was bad (NaN, huge): it took the synced weights, and the
+                # inner optimizer's state, poisoned by the same gradients, starts afresh.
+                inner.state.clear()
+                guard.restart_inner = False
+                print(f"noloco: replica {lay.replica} (stage {lay.stage}): its own update "
+                      f"was rejected at step {st.step}; it took the synced weights and "
+                      f"restarted its inner optimizer", file=sys.stderr, flush=True)
             st.peak_step_bytes = max(st.peak_step_bytes, comm.bytes_sent - bytes0)
             # Inner-step compute excludes the seconds blocked in the method's communication
             # before c1; blocking inside after_inner_step (outer steps) lies outside (c1 - s0).
@@ -388,7 +397,7 @@ class Trainer:
             if self.ckpt.due(st.step) or (last and self.ckpt.every > 0):
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.poll()
-            faults.after_step(st.step)
+            faults.after_step(st.step, self.params)
         return self.end(log)
 
     def end(self, log: Progress) -> dict[str, Any] | None:

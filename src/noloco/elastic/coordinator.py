@@ -14,10 +14,13 @@ and its replicas join from live ones.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
 from typing import Any
+
+from noloco.errors import ConfigError
 
 
 def add_subparser(sub: Any) -> None:
@@ -31,14 +34,56 @@ def add_subparser(sub: Any) -> None:
                         "--dashboard-host:PORT")
     p.add_argument("--dashboard-host", default="127.0.0.1",
                    help="address of the live view (default 127.0.0.1: this machine only)")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the run secret every machine must prove (challenge and response; "
+                        "the secret is never sent). Default: NOLOCO_SECRET, else "
+                        "~/.config/noloco/coordinator.secret, created (readable by its owner "
+                        "only) when missing")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve the store to any client, without a secret (a warning on any "
+                        "address but loopback; docs/security.md)")
     p.set_defaults(func=run)
+
+
+def _secret(ns: argparse.Namespace) -> tuple[bytes | None, str]:
+    """The secret the gate asks for (None: --insecure), and a line that says where it
+    lives."""
+    from noloco.elastic.auth import ENV, create_secret, default_secret_file, load_secret
+
+    if ns.insecure:
+        if ns.secret_file:
+            raise ConfigError("--insecure and --secret-file contradict each other")
+        if ns.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"noloco coordinator: warning: --insecure on {ns.host}: anyone who reaches "
+                  f"port {ns.port} can read and write this run's store (docs/security.md)",
+                  file=sys.stderr, flush=True)
+        return None, ""
+    secret = load_secret(ns.secret_file)
+    if secret is not None:
+        where = ENV if os.environ.get(ENV) is not None else ns.secret_file
+        return secret, f"noloco coordinator: the run secret is in {where}"
+    path = default_secret_file()
+    existed = path.is_file()
+    try:
+        secret = create_secret(path)
+    except OSError as e:
+        raise ConfigError(f"cannot create the secret file {path} ({e.strerror}): give one "
+                          f"with --secret-file or NOLOCO_SECRET") from None
+    return secret, (f"noloco coordinator: the run secret is in {path}"
+                    f"{'' if existed else ' (new, readable by you only)'}: copy it to every "
+                    f"machine and give it there with --secret-file FILE or NOLOCO_SECRET")
 
 
 def run(ns: argparse.Namespace) -> int:
     from noloco.elastic.host import Host
 
     try:
-        host = Host(ns.host, ns.port)
+        secret, where = _secret(ns)
+    except ConfigError as e:
+        print(f"noloco: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        host = Host(ns.host, ns.port, secret=secret)
     except OSError as e:
         print(f"noloco: error: cannot listen on {ns.host}:{ns.port} ({e.strerror})",
               file=sys.stderr)
@@ -49,7 +94,8 @@ def run(ns: argparse.Namespace) -> int:
         from noloco.elastic.status import Dashboard
 
         try:
-            dashboard = Dashboard(open_store(host.local_address, host.port, 30.0),
+            dashboard = Dashboard(open_store(host.local_address, host.store_port, 30.0,
+                                             direct=True),
                                   ns.dashboard, ns.dashboard_host)
         except OSError as e:
             print(f"noloco: error: cannot serve the dashboard on {ns.dashboard_host}:"
@@ -59,9 +105,13 @@ def run(ns: argparse.Namespace) -> int:
     stop: list[int] = []
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda signum, _f: stop.append(signum))
-    print(f"noloco coordinator: listening on {ns.host}:{host.port}; on each machine run: "
-          f"noloco train --elastic --coordinator THIS_HOST:{host.port} --replica-ids ... "
+    auth = " --secret-file FILE" if secret is not None else ""
+    print(f"noloco coordinator: listening on {ns.host}:{host.port}"
+          f"{'' if secret is not None else ' (insecure: no secret)'}; on each machine run: "
+          f"noloco train --elastic --coordinator THIS_HOST:{host.port}{auth} --replica-ids ... "
           f"(Ctrl-C stops)", flush=True)
+    if where:
+        print(where, flush=True)
     if dashboard is not None:
         print(f"noloco coordinator: live view on http://{ns.dashboard_host}:{dashboard.port}/",
               flush=True)

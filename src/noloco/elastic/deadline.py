@@ -296,32 +296,53 @@ def open_address(address: str, timeout: float, ns: Namespace | None = None,
     return open_store(host, int(port), timeout, ns)
 
 
-def open_store(host: str, port: int, timeout: float, ns: Namespace | None = None
-               ) -> DeadlineStore:
+def open_store(host: str, port: int, timeout: float, ns: Namespace | None = None,
+               direct: bool = False) -> DeadlineStore:
     """A :class:`DeadlineStore` to the TCPStore at ``host:port``, entered into ``ns``
     (:meth:`Namespace.enter`) when given. Raises ``DistStoreError``/``DistNetworkError`` in
-    ``timeout`` (about) when it cannot be reached, or while it is starting."""
+    ``timeout`` (about) when it cannot be reached, or while it is starting. With a run secret
+    (:func:`noloco.elastic.auth.use_secret`) the connection goes through this process's door
+    to the coordinator's gate, unless ``direct`` (the coordinator's own clients)."""
     import torch.distributed as dist
 
+    from noloco.elastic import auth
+
+    remote = auth.remote_of(host, port)  # a door's own address: the coordinator behind it
     # A plain connection first: while the store is out of reach, c10d's own failing connect
     # would print its error and a C++ stack trace at every try.
     try:
-        socket.create_connection((host, port), timeout).close()
+        socket.create_connection(remote, timeout).close()
     except OSError as e:
-        raise dist.DistNetworkError(f"cannot reach the run's store at {host}:{port} "
-                                    f"({e})") from None
-    thread = _Thread()
-    answered, result = thread.run(
-        dist.TCPStore, (host, port, None, False, timedelta(seconds=timeout)), timeout + 1.0)
-    if not answered or not result[0]:
-        thread.stop()
-    if not answered:
-        raise dist.DistStoreError(f"cannot reach the run's store at {host}:{port} "
-                                  f"within {timeout:g} s")
-    ok, value = result
-    if not ok:
-        raise value
-    return _entered(value, timeout, ns, thread)
+        raise dist.DistNetworkError(f"cannot reach the run's store at {remote[0]}:"
+                                    f"{remote[1]} ({e})") from None
+    if not direct:
+        try:
+            host, port = auth.door_to(*remote, timeout)
+        except OSError as e:
+            raise dist.DistNetworkError(f"cannot reach the run's store at {remote[0]}:"
+                                        f"{remote[1]} ({e})") from None
+    try:
+        thread = _Thread()
+        answered, result = thread.run(
+            dist.TCPStore, (host, port, None, False, timedelta(seconds=timeout)),
+            timeout + 1.0)
+        if not answered or not result[0]:
+            thread.stop()
+        if not answered:
+            raise dist.DistStoreError(f"cannot reach the run's store at {host}:{port} "
+                                      f"within {timeout:g} s")
+        ok, value = result
+        if not ok:
+            raise value
+        return _entered(value, timeout, ns, thread)
+    except store_errors():
+        # A coordinator that asks for a secret this process does not have closes the
+        # connection after a request or two: say so in one line, once, not "unreachable".
+        if not direct and auth.current_secret() is None and auth.asks_for_secret(*remote):
+            raise auth.AuthError(f"the coordinator at {remote[0]}:{remote[1]} asks for the "
+                                 f"run secret: give it with --secret-file FILE or "
+                                 f"{auth.ENV}") from None
+        raise
 
 
 def open_store_patiently(address: str, timeout: float, ns: Namespace | None,

@@ -26,12 +26,15 @@ import base64
 import http.client
 import json
 import math
+import os
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from noloco.errors import ConfigError
 
 SCHEME = "etcd://"
 
@@ -57,15 +60,57 @@ def _unb64(x: str | None) -> bytes:
     return base64.b64decode(x) if x else b""
 
 
+USER_ENV, PASSWORD_ENV = "NOLOCO_ETCD_USER", "NOLOCO_ETCD_PASSWORD"
+
+
+def credentials_from_env() -> tuple[str, str] | None:
+    """(user, password) of etcd's own authentication: ``NOLOCO_ETCD_USER`` and
+    ``NOLOCO_ETCD_PASSWORD``, or None."""
+    user, password = os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV)
+    if user is None and password is None:
+        return None
+    if not user or password is None:
+        raise EtcdAuthError(f"etcd authentication needs both {USER_ENV} and {PASSWORD_ENV}")
+    return user, password
+
+
+class EtcdAuthError(ConfigError):
+    """The etcd cluster refused this process's user, or asks for one it does not have."""
+
+
+class _Unauthenticated(Exception):
+    """etcd answered that the request's user or token is missing, wrong or expired."""
+
+
+def _auth_failure(status: int, raw: bytes) -> bool:
+    """An answer of etcd's gateway that says the request was not authenticated (gRPC codes
+    16 Unauthenticated and 7 PermissionDenied; the user/token messages)."""
+    if status not in (400, 401, 403, 500):
+        return False
+    try:
+        err = json.loads(raw)
+    except ValueError:
+        return False
+    text = str(err.get("error") or err.get("message") or "")
+    return err.get("code") in (7, 16) or any(
+        m in text for m in ("user name is empty", "invalid auth token", "authentication failed",
+                            "permission denied", "user name not found"))
+
+
 class EtcdStore(dist.Store):
     """A c10d store on an etcd cluster (module docstring). ``timeout``: how long a ``get`` or
     ``wait`` waits for its keys (a third of it, at most 2 s: how long one member may take to
     answer before the next is asked)."""
 
     def __init__(self, endpoints: list[tuple[str, int]], timeout: float = 60.0,
-                 lease_ttl: float = 10.0) -> None:
+                 lease_ttl: float = 10.0,
+                 credentials: tuple[str, str] | None | bool = True) -> None:
         super().__init__()
         self.endpoints = list(endpoints)
+        self.credentials = credentials_from_env() if credentials is True else credentials
+        """etcd's own authentication (user, password), or None: the cluster's users, roles
+        and tokens decide who reads and writes (docs/security.md)"""
+        self._token: str | None = None
         self.set_timeout(timedelta(seconds=timeout))
         self.lease_ttl = max(2, math.ceil(lease_ttl))
         self._first = 0
@@ -80,14 +125,45 @@ class EtcdStore(dist.Store):
 
     def fresh(self) -> EtcdStore:
         """Another client of the same cluster (a new connection)."""
-        return EtcdStore(self.endpoints, self.timeout.total_seconds(), self.lease_ttl)
+        return EtcdStore(self.endpoints, self.timeout.total_seconds(), self.lease_ttl,
+                         self.credentials or None)
 
     # ---- HTTP ------------------------------------------------------------------------------
     def _post(self, path: str, body: dict[str, Any], once: bool = False) -> dict[str, Any]:
         """POST to the first member that answers. ``once``: the request must not be applied
         twice (a read-modify-write): a member that took it and then fell silent leaves its
-        outcome unknown, which raises instead of asking the next member."""
+        outcome unknown, which raises instead of asking the next member. With credentials,
+        under a token (fetched again when etcd says it expired: nothing was applied)."""
+        if self.credentials and self._token is None:
+            self._authenticate()
+        try:
+            return self._post_once(path, body, once)
+        except _Unauthenticated:
+            if not self.credentials:
+                raise EtcdAuthError(f"the etcd cluster at {self.address} asks for a user: "
+                                    f"set {USER_ENV} and {PASSWORD_ENV}") from None
+            self._authenticate()  # the token expired (etcd's --auth-token-ttl)
+            return self._post_once(path, body, once)
+
+    def _authenticate(self) -> None:
+        assert self.credentials
+        user, password = self.credentials
+        self._token = None
+        try:
+            got = self._post_once("/v3/auth/authenticate", {"name": user, "password": password})
+        except _Unauthenticated:
+            got = {}
+        if not got.get("token"):
+            raise EtcdAuthError(f"the etcd cluster at {self.address} refused user {user!r} "
+                                f"(wrong {PASSWORD_ENV}?)")
+        self._token = got["token"]
+
+    def _post_once(self, path: str, body: dict[str, Any], once: bool = False
+                   ) -> dict[str, Any]:
         data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self._token is not None and path != "/v3/auth/authenticate":
+            headers["Authorization"] = self._token
         conns = self._local.__dict__.setdefault("conns", {})
         last: Exception | None = None
         n = len(self.endpoints)
@@ -104,7 +180,7 @@ class EtcdStore(dist.Store):
                     conn = conns[i] = http.client.HTTPConnection(host, port, timeout=per_member)
                 sent = False
                 try:
-                    conn.request("POST", path, data, {"Content-Type": "application/json"})
+                    conn.request("POST", path, data, headers)
                     sent = True
                     resp = conn.getresponse()
                     raw = resp.read()
@@ -121,6 +197,8 @@ class EtcdStore(dist.Store):
                         continue
                     break
                 if resp.status != 200:
+                    if _auth_failure(resp.status, raw):
+                        raise _Unauthenticated(raw[:200].decode(errors="replace"))
                     last = RuntimeError(f"HTTP {resp.status}: {raw[:200]!r}")
                     break  # a member without quorum answers 503: ask the next
                 self._first = i

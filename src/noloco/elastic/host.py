@@ -25,18 +25,40 @@ from noloco.elastic.membership import Monitor, probe
 
 class Host:
     """The store on ``host:port`` (port 0: a free one, then :attr:`port`) and its monitors.
+    With a ``secret`` the store itself listens on 127.0.0.1 only (:attr:`store_port`) and a
+    :class:`noloco.elastic.auth.Gate` on ``host:port`` admits only clients that prove it.
     Raises ``OSError`` when it cannot listen there."""
 
-    def __init__(self, host: str, port: int, timeout: float = 60.0) -> None:
+    def __init__(self, host: str, port: int, timeout: float = 60.0,
+                 secret: bytes | None = None) -> None:
         import torch.distributed as dist
 
+        self.gate = None
+        if secret is not None:
+            from noloco.elastic.auth import Gate
+
+            # The gate takes the public address first: a busy port fails before anything
+            # else started.
+            probe_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            probe_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe_sock.bind((host, port))
+            probe_sock.close()
+            inner = "127.0.0.1"
+        else:
+            inner = host
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock.bind((inner, 0 if secret is not None else port))
         sock.listen(1024)
-        self.host, self.port = host, sock.getsockname()[1]
-        self.server = dist.TCPStore(host, self.port, None, True, timedelta(seconds=timeout),
-                                    wait_for_workers=False, master_listen_fd=sock.detach())
+        self.host, self.store_port = host, sock.getsockname()[1]
+        self.server = dist.TCPStore(inner, self.store_port, None, True,
+                                    timedelta(seconds=timeout), wait_for_workers=False,
+                                    master_listen_fd=sock.detach())
+        self.port = self.store_port
+        """where clients connect: the gate's port, or the store's own"""
+        if secret is not None:
+            self.gate = Gate(host, port, self.store_port, secret)
+            self.port = self.gate.port
         self.boot = secrets.token_hex(8)
         # Before this, a worker that connects finds no token and waits (Namespace.enter).
         self.server.set(BOOT_KEY, self.boot)
@@ -48,15 +70,17 @@ class Host:
 
     @property
     def local_address(self) -> str:
-        """Where a process on this machine reaches the store."""
-        return "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        """Where this process reaches the store itself (at :attr:`store_port`)."""
+        return "127.0.0.1" if self.gate is not None or self.host in ("0.0.0.0", "") \
+            else self.host
 
     def _loop(self) -> None:
         conn = None
         while not self._stop.wait(0.2):
             try:
                 if conn is None:
-                    conn = open_store(self.local_address, self.port, 30.0)
+                    conn = open_store(self.local_address, self.store_port, 30.0,
+                                      direct=True)
                 for run_id, epoch in runs_of(conn):
                     name = f"{run_id}/{epoch}"
                     if name not in self.monitors:
@@ -71,6 +95,8 @@ class Host:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.gate is not None:
+            self.gate.stop()
         self._thread.join(5.0)
         for m in self.monitors.values():
             m.stop()

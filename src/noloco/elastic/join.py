@@ -30,7 +30,19 @@ from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.keys import PREFIX, join_key
 from noloco.elastic.membership import await_value
 from noloco.errors import StoreLost, Superseded
+from noloco.guard import all_finite
 from noloco.train import weights_checksum
+
+STATE_SLACK = 64 << 20
+"""bytes a received state may hold beyond :data:`STATE_COPIES` copies of the model"""
+STATE_COPIES = 8
+"""model-sized tensors a live state holds at most: the model, slow weights, outer momentum
+and a sync in flight (what was sent and what each partner sent back)"""
+
+
+class BadState(RuntimeError):
+    """A donor's state that does not fit this model (size, names, shapes, dtypes) or is not
+    finite: refused before it is used, as if the donor had failed."""
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
@@ -308,7 +320,12 @@ class Joining:
                     if store.compare_set(f"{tag}/go", "", "no") == b"no":
                         raise RuntimeError("the donor did not answer") from None
                 state, nbytes = self._receive_state(tag)
-            except RuntimeError:  # the donor died, is stuck or finished: ask another
+            except RuntimeError as e:  # the donor died, is stuck or finished: ask another
+                if isinstance(e, BadState):  # or sent what this model cannot take
+                    self.joins.append({"kind": "refused", "replica": self.lay.replica,
+                                       "from": donor, "why": str(e)})
+                    print(f"noloco: replica {self.lay.replica} refused the state of replica "
+                          f"{donor}: {e}", file=sys.stderr, flush=True)
                 if donor in failed:
                     failed.remove(donor)
                 failed.append(donor)
@@ -375,12 +392,51 @@ class Joining:
             timedelta(seconds=self._transfer_timeout()))
         size = torch.zeros(1, dtype=torch.int64)
         pg.recv([size], 0, 0).wait()
+        # The declared size is checked before anything is allocated: a peer cannot make
+        # this replica allocate more than a few copies of its own model.
+        bound = STATE_COPIES * sum(p.numel() * 4 for p in self.params) + STATE_SLACK
+        if not 0 < int(size.item()) <= bound:
+            raise BadState(f"it declared {int(size.item())} bytes; this model's state takes "
+                           f"at most {bound}")
         blob = torch.empty(int(size.item()), dtype=torch.uint8)
         pg.recv([blob], 0, 1).wait()
         self.membership.store.delete_key(f"{tag}/pg/0/1")
         # Tensors and plain containers only: no pickled code runs (as with checkpoints).
-        state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        try:
+            state = torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any malformed blob
+            raise BadState(f"it is not a state ({type(e).__name__})") from None
+        self._check_state(state)
         return state, blob.numel() + 8
+
+    def _check_state(self, state: Any) -> None:
+        """Raise :class:`BadState` unless ``state`` has this model's parameters (names, shapes,
+        dtypes) and slow weights, all finite: ``copy_`` would broadcast a wrong shape
+        silently, and a NaN would spread from here."""
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or \
+                not isinstance(state.get("method"), dict):
+            raise BadState("it is not a state")
+        mine = dict(self.runner.named_parameters())
+        theirs = state["model"]
+        if set(theirs) != set(mine):
+            raise BadState("its parameters are not this model's")
+        for name, p in mine.items():
+            t = theirs[name]
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape or t.dtype != p.dtype:
+                raise BadState(f"its {name} is not shaped {tuple(p.shape)} {p.dtype}")
+            if not all_finite(t):
+                raise BadState(f"its {name} is not finite")
+        frags = getattr(self.method, "frags", [])
+        phi = state["method"].get("phi", [])
+        if len(phi) != len(frags):
+            raise BadState("its slow weights are not this model's")
+        for f, x in zip(frags, phi, strict=True):
+            if x is None:
+                continue  # equal to the model (phi_is_model)
+            if not isinstance(x, torch.Tensor) or x.shape != f.flat_phi.shape \
+                    or x.dtype != f.flat_phi.dtype or not all_finite(x):
+                raise BadState(f"its slow weights of fragment {f.index} are not this model's "
+                               f"or not finite")
 
     def _own_checkpoint(self) -> dict[str, Any] | None:
         root = self._checkpoint_root()

@@ -20,7 +20,8 @@ import sys
 import time
 from typing import Any
 
-from noloco.config import local_replicas, parse_address
+from noloco.config import ConfigError, local_replicas, parse_address
+from noloco.elastic import auth
 from noloco.elastic.deadline import (
     Namespace,
     Renewing,
@@ -60,6 +61,7 @@ class ElasticSupervisor(Supervisor):
                 conn = open_store_patiently(t.coordinator, timeout, ns,
                                             self.cfg.method.comm_timeout)
             elif t.coordinator:  # across machines: the coordinator hosts the store
+                auth.use_secret(auth.load_secret(t.secret_file))
                 self.coordinator = parse_address(t.coordinator)
                 self.port = self.coordinator[1]
                 wait_reachable(*self.coordinator, self.cfg.method.comm_timeout)
@@ -72,6 +74,9 @@ class ElasticSupervisor(Supervisor):
                 self.port = host.port
                 conn = open_store_patiently(f"127.0.0.1:{self.port}", timeout, ns,
                                             self.cfg.method.comm_timeout)
+        except ConfigError as e:  # the secret: missing, wrong, unreadable
+            print(f"noloco: error: {e}", file=sys.stderr)
+            return 2
         except Exception as e:  # noqa: BLE001 - one line, whatever the store says
             if host is not None:
                 host.stop()
@@ -83,7 +88,9 @@ class ElasticSupervisor(Supervisor):
         # connection (in the run's new epoch) the next time.
         self.store = Renewing(conn, timeout)
         address = t.coordinator or f"127.0.0.1:{self.port}"
-        write_json_atomic(self.out / STORE_FILE, {"address": address, "run_id": ns.run_id})
+        write_json_atomic(self.out / STORE_FILE, {
+            "address": address, "run_id": ns.run_id,
+            "gated": bool(t.coordinator) and not t.coordinator.startswith(SCHEME)})
         dashboard = None
         if t.dashboard is not None:
             try:

@@ -21,6 +21,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from noloco.elastic import auth
 from noloco.elastic.deadline import Prefixed, open_address, store_errors
 from noloco.elastic.etcd import SCHEME, parse_endpoints
 from noloco.elastic.host import runs_of
@@ -322,6 +323,8 @@ def add_subparser(sub: Any) -> None:
                         "while it runs; its files after)")
     p.add_argument("--run-id", help="only this run (at a coordinator)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--secret-file", metavar="FILE",
+                   help="the run secret a coordinator asks for (or NOLOCO_SECRET)")
     p.set_defaults(func=run_status)
 
 
@@ -338,8 +341,9 @@ def run_status(ns: argparse.Namespace) -> int:
             return 2
         rec = json.loads(info.read_text())
         address, run_id = rec["address"], rec["run_id"]
+        gated = rec.get("gated", False)
     else:
-        address = where
+        address, gated = where, not where.startswith(SCHEME)
     try:
         if address.startswith(SCHEME):
             parse_endpoints(address)
@@ -350,10 +354,15 @@ def run_status(ns: argparse.Namespace) -> int:
               f"etcd://HOST:PORT,...", file=sys.stderr)
         return 2
     try:
+        if gated:  # a coordinator's gate (a local launcher's own store has none)
+            auth.use_secret(auth.load_secret(ns.secret_file))
         store = open_address(address, 5.0)
         runs = runs_at(store)
         found = [collect(store, name, epoch) for name, epoch in sorted(runs.items())
                  if run_id is None or name == run_id]
+    except ConfigError as e:  # the secret: missing, wrong, unreadable
+        print(f"noloco: error: {e}", file=sys.stderr)
+        return 2
     except store_errors() as e:
         if path.is_dir():
             return _from_files(path, ns.json)

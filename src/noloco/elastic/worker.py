@@ -32,6 +32,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
+from noloco.elastic import auth
 from noloco.elastic.communicator import ElasticCommunicator
 from noloco.elastic.deadline import (
     Namespace,
@@ -152,6 +153,9 @@ class ElasticTrainer(Joining, Trainer):
             "run_id": self.cfg.run_id(),
             "ops": dict(comm.ops),
             "events": comm.events, "joins": self.joins,
+            "guard_rejected": [{"replica": lay.replica, "stage": lay.stage, **r}
+                               for r in getattr(getattr(self.method, "guard", None),
+                                                "rejected", [])],
             "served": self.served, "resumed_from_step": self.resumed_from,
             "threads_per_worker": self.threads, "params": self.n_params_total,
             "param_bytes": self.param_bytes, "device": str(self.device),
@@ -181,6 +185,8 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
     # TCPStore at MASTER_ADDR:MASTER_PORT.
     address = os.environ.get("NOLOCO_STORE") or (
         f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    if t.coordinator and "NOLOCO_STORE" not in os.environ:  # a coordinator's gate
+        auth.use_secret(auth.load_secret(t.secret_file))
     if "NOLOCO_STORE" not in os.environ:
         wait_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                        m.comm_timeout)
@@ -252,6 +258,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
                            "retries": sum(x["retries"] for x in stages),
                            "events": [e for x in stages for e in x["events"]],
                            "joins": [j for x in stages for j in x["joins"]],
+                           "guard_rejected": [g for x in stages
+                                              for g in x.get("guard_rejected", [])],
                            "partitions": [c for x in stages for c in x.get("partitions", [])],
                            "unreachable_ops": max(x.get("unreachable_ops", 0)
                                                   for x in stages),
@@ -310,6 +318,10 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         "arrival_seconds_per_replica": {str(r): s.get("arrival_seconds", 0.0)
                                         for r, s in finished.items()},
         "events": {str(r): s["events"] for r, s in finished.items()},
+        "update_guard": {
+            "factor": m.guard_factor if m.update_guard else None,
+            "rejected": sorted((g for s in finished.values() for g in s["guard_rejected"]),
+                               key=lambda g: (g["step"], g["replica"], g["stage"]))},
         "partitions": [c for s in finished.values() for c in s["partitions"]],
         "unreachable_operations": {str(r): s["unreachable_ops"] for r, s in finished.items()},
         "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],

@@ -9,6 +9,7 @@ from torch import nn
 
 from noloco.comm import Communicator
 from noloco.config import MethodConfig
+from noloco.guard import UpdateGuard
 from noloco.methods.base import Method, Single
 from noloco.methods.ddp import DDP
 from noloco.methods.diloco import DiLoCo
@@ -31,19 +32,20 @@ def build_method(cfg: MethodConfig,
     the whole model (what fragments need; ``n_layers`` is the whole model's block count).
     ``backward_passes``: per inner step (gradient accumulation).
     """
+    guard = UpdateGuard(cfg.guard_factor) if cfg.update_guard else None
     if cfg.method == "streaming":
         return StreamingDiLoCo(
             model, comm, n_layers=n_layers, sync_every=cfg.sync_every,
             fragments=cfg.fragments, fragment_pattern=cfg.fragment_pattern,
             overlap_steps=cfg.overlap_steps, merge_alpha=cfg.merge_alpha,
             quantize=cfg.quantize, outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov)
+            nesterov=cfg.nesterov, guard=guard)
     if cfg.method == "noloco":
         return NoLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       momentum=cfg.outer_momentum, gamma=cfg.gamma, group_size=cfg.group_size,
                       seed=seed, n_layers=n_layers, fragments=cfg.fragments,
                       fragment_pattern=cfg.fragment_pattern, overlap_steps=cfg.overlap_steps,
-                      merge_alpha=cfg.merge_alpha, quantize=cfg.quantize)
+                      merge_alpha=cfg.merge_alpha, quantize=cfg.quantize, guard=guard)
     if not isinstance(model, nn.Module):
         model = [x[1] if isinstance(x, tuple) else x for x in model]
     if cfg.method == "single":
@@ -54,5 +56,5 @@ def build_method(cfg: MethodConfig,
         return DDP(model, comm, overlap=cfg.stages == 1 and backward_passes == 1)
     if cfg.method == "diloco":
         return DiLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
-                      momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+                      momentum=cfg.outer_momentum, nesterov=cfg.nesterov, guard=guard)
     raise ValueError(f"method {cfg.method!r} is not available")

@@ -20,12 +20,14 @@ momentum μ → ``momentum``; Nesterov → ``nesterov``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from noloco.comm import Communicator
+from noloco.guard import UpdateGuard, all_finite, distance
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
 
 
@@ -34,7 +36,7 @@ class DiLoCo(OuterSync):
 
     def __init__(self, model: ModelLike, comm: Communicator, *, sync_every: int = 100,
                  outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
-                 **streaming: Any) -> None:
+                 guard: UpdateGuard | None = None, **streaming: Any) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
         if outer_lr < 0 or momentum < 0:
@@ -45,7 +47,8 @@ class DiLoCo(OuterSync):
             return torch.optim.SGD(phi, lr=outer_lr, momentum=momentum,
                                    nesterov=nesterov and momentum > 0)
 
-        super().__init__(model, comm, sync_every=sync_every, outer_optimizer=outer, **streaming)
+        super().__init__(model, comm, sync_every=sync_every, outer_optimizer=outer, guard=guard,
+                         **streaming)
 
     def communicate(self, frag: Fragment, t: int) -> Sync | None:
         """All replicas average the fragment's fast weights θ — or, quantised, each one's
@@ -53,13 +56,29 @@ class DiLoCo(OuterSync):
         not): every replica decodes the same bytes, so φ stays identical everywhere."""
         if not frag.params:  # a pipeline stage may hold no block of this fragment
             return None
+        fast = frag.fast()
+        own_bad = self._guard_own(frag, fast)
         if self.quantize == "none":
-            payload = frag.fast()
+            # A bad update is replaced by φ itself: a zero outer gradient in the mean.
+            payload = fast.copy_(frag.slow()) if own_bad else fast
             pending = self.comm.all_reduce_mean_async(payload)
         else:
-            payload = frag.slow() - frag.fast()
+            payload = frag.slow() - fast
+            if own_bad:
+                payload.zero_()
             pending = self.comm.all_reduce_mean_quantized_async(payload, self.quantize)
-        return Sync(frag.index, t + self.tau, payload, pending)
+        return Sync(frag.index, t + self.tau, payload, pending, own_bad=own_bad)
+
+    def _guard_own(self, frag: Fragment, fast: torch.Tensor) -> bool:
+        """The update guard's check of this replica's own outer gradient φ − θ before it
+        enters the all-reduce (:mod:`noloco.guard`): True when it is rejected."""
+        if self.guard is None:
+            return False
+        finite = all_finite(fast)
+        why = self.guard.judge(distance(frag.slow(), fast) if finite else math.inf, finite)
+        if why is not None:
+            self.guard.reject(self.inner_steps, "own", why, fragment=frag.index)
+        return why is not None
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
         """g = φ − mean θ (the all-reduce left its mean in the payload)."""

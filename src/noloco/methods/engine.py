@@ -46,6 +46,7 @@ from torch import nn
 
 from noloco import quant
 from noloco.comm import SKIPPED, Communicator, Pending, flatten
+from noloco.guard import UpdateGuard
 from noloco.methods.base import Method
 from noloco.quant import FORMATS
 from noloco.split import block_index, fragment_parameters
@@ -130,6 +131,9 @@ class Sync:
     pending: Pending
     extra: Any = None
     """what the method needs to finish it (NoLoCo: the group)"""
+    own_bad: bool = False
+    """the update guard rejected this replica's own update: its fast weights are replaced
+    by the synced ones outright (no merge with the bad ones)"""
 
 
 class Fragment:
@@ -192,7 +196,7 @@ class OuterSync(Method, ABC):
                  outer_optimizer: OuterOptimizer, fragments: int = 1,
                  fragment_pattern: str = "strided", overlap_steps: int = 0,
                  merge_alpha: float = 0.5, quantize: str = "none",
-                 n_layers: int | None = None) -> None:
+                 n_layers: int | None = None, guard: UpdateGuard | None = None) -> None:
         params, frag_index = split_model(model, fragments, fragment_pattern, n_layers)
         super().__init__(params, comm)
         self.schedule = FragmentSchedule(sync_every, fragments, overlap_steps)
@@ -213,6 +217,8 @@ class OuterSync(Method, ABC):
         for frag, idx in zip(self.frags, frag_index, strict=True):
             for i, phi in zip(idx, frag.phi, strict=True):
                 self.phi[i], self.frag_of[i] = phi, frag.index
+        self.guard = guard
+        """checks updates before they are used or contributed (:mod:`noloco.guard`)"""
         self.inflight: list[Sync] = []
         self.wait_seconds: list[float] = []
         """seconds blocked in each sync's wait, in application order"""
@@ -275,7 +281,15 @@ class OuterSync(Method, ABC):
         frag.flat_phi.grad = self.pseudo_gradient(frag, sync, received)
         frag.outer.step()
         frag.flat_phi.grad = None
-        merge(frag.params, frag.phi, self.merge_alpha if self.tau > 0 else 0.0)
+        if sync.own_bad and self.guard is not None:
+            # Its own weights went bad: the whole model (every fragment, since a NaN spreads
+            # through the gradient) restarts from the slow weights, and the inner optimizer's
+            # state, poisoned by the same gradients, afresh.
+            for f in self.frags:
+                merge(f.params, f.phi, 0.0)
+            self.guard.restart_inner = True
+        else:
+            merge(frag.params, frag.phi, self.merge_alpha if self.tau > 0 else 0.0)
         frag.syncs += 1
         self.outer_steps += 1
 
@@ -290,9 +304,11 @@ class OuterSync(Method, ABC):
             phi=[f.flat_phi for f in self.frags],
             outer=[f.outer.state_dict() if f.outer else None for f in self.frags],
             syncs=[f.syncs for f in self.frags], wait_seconds=list(self.wait_seconds),
-            inflight=[(s.fragment, s.due, s.payload, s.pending.wait(), s.extra)
+            inflight=[(s.fragment, s.due, s.payload, s.pending.wait(), s.extra, s.own_bad)
                       for s in self.inflight],
             extra={k: getattr(self, k) for k in self.extra_state})
+        if self.guard is not None:
+            sd["guard"] = self.guard.state_dict()
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -313,12 +329,15 @@ class OuterSync(Method, ABC):
                 setattr(self, k, v)
         dev = self.params[0].device  # a checkpoint is read into CPU memory
         self.inflight = []
-        for p, due, payload, received, extra in sd["inflight"]:
+        for p, due, payload, received, extra, *bad in sd["inflight"]:
             # (an elastic exchange leaves None for a peer that did not take part)
             got = ([x if x is None else x.to(dev) for x in received]
                    if isinstance(received, list) else received)
             self.inflight.append(Sync(p, due, payload.to(dev, copy=True),
-                                      Pending(self.comm, [], lambda r=got: r), extra))
+                                      Pending(self.comm, [], lambda r=got: r), extra,
+                                      bool(bad and bad[0])))
+        if self.guard is not None and "guard" in sd:
+            self.guard.load_state_dict(sd["guard"])
 
     def outer_momentum(self) -> list[torch.Tensor]:
         """Each parameter's outer momentum buffer, in model order (zeros before the first
@@ -339,7 +358,8 @@ class OuterSync(Method, ABC):
         """Extra fields for the run's summary.json."""
         return {"fragments": self.P, "fragment_numel": self.fragment_numel(),
                 "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
-                "quantize": self.quantize}
+                "quantize": self.quantize,
+                "update_guard": self.guard.report() if self.guard is not None else None}
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:

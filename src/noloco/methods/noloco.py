@@ -36,6 +36,7 @@ import torch
 
 from noloco import quant
 from noloco.comm import Communicator, flatten
+from noloco.guard import UpdateGuard, all_finite, distance
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync, decode, encode
 from noloco.methods.wire import SLOW_FORMAT
 
@@ -83,7 +84,8 @@ class NoLoCo(OuterSync):
 
     def __init__(self, model: ModelLike, comm: Communicator, *, sync_every: int = 50,
                  outer_lr: float = 0.7, momentum: float = 0.5, gamma: float | None = None,
-                 group_size: int = 2, seed: int = 0, **streaming: Any) -> None:
+                 group_size: int = 2, seed: int = 0, guard: UpdateGuard | None = None,
+                 **streaming: Any) -> None:
         n = comm.size
         group_size = 1 if n == 1 else group_size
         if n > 1 and not 2 <= group_size <= n or n % group_size:
@@ -97,7 +99,7 @@ class NoLoCo(OuterSync):
             warnings.warn(f"gamma {self.gamma:g} is outside the stability interval ({lo:.3f}, "
                           f"{hi:.3f}) for alpha {self.alpha:g} and group size {group_size}: "
                           f"replicas may drift apart", stacklevel=2)
-        super().__init__(model, comm, sync_every=sync_every, **streaming,
+        super().__init__(model, comm, sync_every=sync_every, guard=guard, **streaming,
                          outer_optimizer=lambda phi: torch.optim.SGD(phi, lr=1.0,
                                                                      momentum=momentum))
         self.exchanges_slow_weights = self.gamma != self.beta or self.quantize != "none"
@@ -150,20 +152,52 @@ class NoLoCo(OuterSync):
         # over the members that did (alone: over this replica only).
         by_rank = {r: m for r, m in zip(peers, received, strict=True) if m is not None}
         by_rank[me] = sync.payload
+        if self.guard is not None:
+            self._guard(frag, sync, by_rank, me, n)
         group = [r for r in group if r in by_rank]
         msgs = [by_rank[r] for r in group]
         self.last_group = group
+        if not msgs:  # its own update rejected and no partner's accepted: φ stays
+            return torch.zeros_like(frag.slow())
         if self.quantize != "none":
             split, ref = quant.wire_bytes(n, self.quantize), self._ref(frag)
             deltas = torch.stack([decode(m[:split], n, self.quantize) for m in msgs])
             slows = torch.stack([ref + decode(m[split:], n, SLOW_FORMAT) for m in msgs])
-            mine = slows[group.index(me)]
+            mine = slows[group.index(me)] if me in group else frag.slow()
             return self.gamma * (mine - slows.mean(0)) - self.beta * deltas.mean(0)
         mean = torch.stack(msgs).mean(0)
         if not self.exchanges_slow_weights:
             return self.beta * (frag.slow() - mean)
         mean_fast, mean_slow = mean[:n], mean[n:]
         return self.gamma * (frag.slow() - mean_slow) - self.beta * (mean_fast - mean_slow)
+
+    def _fast_of(self, frag: Fragment, msg: torch.Tensor, n: int) -> torch.Tensor:
+        """The fast weights θ a member's message carries (decoded when quantised)."""
+        if self.quantize != "none":
+            split = quant.wire_bytes(n, self.quantize)
+            return (self._ref(frag) + decode(msg[split:], n, SLOW_FORMAT)
+                    + decode(msg[:split], n, self.quantize))
+        return msg[:n]
+
+    def _guard(self, frag: Fragment, sync: Sync, by_rank: dict[int, torch.Tensor], me: int,
+               n: int) -> None:
+        """Drop from ``by_rank`` every message the update guard rejects (:mod:`noloco.guard`):
+        this replica's own first (it sets the scale), then each partner's — judged by the
+        distance of its fast weights from this replica's slow weights."""
+        guard, phi, own = self.guard, frag.slow(), sync.payload
+        assert guard is not None
+        for r in [me, *sorted(r for r in by_rank if r != me)]:
+            msg = by_rank[r]
+            like = msg.shape == own.shape and msg.dtype == own.dtype
+            theta = self._fast_of(frag, msg, n) if like else None
+            finite = like and all_finite(theta) and all_finite(msg)
+            why = guard.judge(distance(theta, phi) if finite else math.inf, finite, like)
+            if why is not None:
+                guard.reject(self.inner_steps, "own" if r == me else r, why,
+                             fragment=frag.index)
+                del by_rank[r]
+                if r == me:
+                    sync.own_bad = True
 
     def _ref(self, frag: Fragment) -> torch.Tensor:
         """φ⁰ of the fragment, flat."""

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from noloco.comm import Communicator
+from noloco.guard import UpdateGuard
 from noloco.methods.diloco import DiLoCo
 from noloco.methods.engine import FragmentSchedule, ModelLike, Sync, merge, split_model
 
@@ -52,12 +53,13 @@ class StreamingDiLoCo(DiLoCo):
                  n_layers: int | None = None, sync_every: int = 100, fragments: int = 1,
                  fragment_pattern: str = "strided", overlap_steps: int = 0,
                  merge_alpha: float = 0.5, quantize: str = "none", outer_lr: float = 0.7,
-                 momentum: float = 0.9, nesterov: bool = True) -> None:
+                 momentum: float = 0.9, nesterov: bool = True,
+                 guard: UpdateGuard | None = None) -> None:
         super().__init__(model_or_named_params, comm, sync_every=sync_every,
                          outer_lr=outer_lr, momentum=momentum, nesterov=nesterov,
                          fragments=fragments, fragment_pattern=fragment_pattern,
                          overlap_steps=overlap_steps, merge_alpha=merge_alpha,
-                         quantize=quantize, n_layers=n_layers)
+                         quantize=quantize, n_layers=n_layers, guard=guard)
 
     @property
     def slow(self) -> list[list[torch.Tensor]]:  # type: ignore[override]
