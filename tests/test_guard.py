@@ -179,6 +179,7 @@ def _joiner(model: torch.nn.Module, store) -> SimpleNamespace:
                         membership=SimpleNamespace(store=store),
                         _transfer_timeout=lambda: 20.0)
     j._check_state = lambda state: Joining._check_state(j, state)
+    j._copies = lambda: Joining._copies(j)
     return j
 
 

@@ -39,6 +39,8 @@ from typing import Any
 from noloco.errors import ConfigError
 
 MAGIC = b"NOLOCO-AUTH-1\n"
+READY, NOT_READY = b"\x00", b"\x01"
+"""the gate's first byte after a valid proof: its own proof follows, or its store is down"""
 NONCE = 16
 MAC = 32
 HANDSHAKE_SECONDS = 10.0
@@ -189,10 +191,18 @@ class Gate:
             return
         try:
             store = await asyncio.open_connection("127.0.0.1", self.store_port)
-            writer.write(_mac(self.secret, b"gate", theirs, mine))
+        except OSError:  # the store is not up (yet): a retryable answer, not a refusal
+            with contextlib.suppress(OSError):
+                writer.write(NOT_READY)
+                await writer.drain()
+            _close(writer)
+            return
+        try:
+            writer.write(READY + _mac(self.secret, b"gate", theirs, mine))
             await writer.drain()
         except OSError:
             _close(writer)
+            _close(store[1])
             return
         self.admitted += 1
         await _splice((reader, writer), store)
@@ -217,8 +227,10 @@ async def _prove(host: str, port: int, secret: bytes, timeout: float
             hello = await asyncio.wait_for(reader.readexactly(len(MAGIC) + NONCE),
                                            min(timeout, 3.0))
         except TimeoutError:
-            raise AuthError(f"the coordinator at {host}:{port} did not ask for the run secret "
-                            f"(started with --insecure, or not a noloco coordinator)") from None
+            # A busy coordinator may be slow to greet: retryable, like an unreachable one;
+            # one that never greets is said after the store client fails (open_store).
+            raise OSError(f"the coordinator at {host}:{port} did not ask for the run secret "
+                          f"in time") from None
         except asyncio.IncompleteReadError:
             raise OSError(f"the coordinator at {host}:{port} closed the connection") from None
         if not hello.startswith(MAGIC):
@@ -228,6 +240,9 @@ async def _prove(host: str, port: int, secret: bytes, timeout: float
         writer.write(mine + _mac(secret, b"door", theirs, mine))
         await writer.drain()
         try:
+            status = await asyncio.wait_for(reader.readexactly(1), timeout)
+            if status == NOT_READY:
+                raise OSError(f"the coordinator at {host}:{port} has no store up yet")
             proof = await asyncio.wait_for(reader.readexactly(MAC), timeout)
         except asyncio.IncompleteReadError:
             raise AuthError(f"the coordinator at {host}:{port} refused this machine: wrong "
@@ -267,14 +282,46 @@ class Door:
 
         self.server = _Loop.run(start(), 10.0)
         self.port = self.server.sockets[0].getsockname()[1]
+        self.refused = 0
+        """local connections of another user, closed"""
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        if peer is None or not same_user(peer[1], self.port):
+            self.refused += 1  # another user of this machine: the door is not theirs
+            _close(writer)
+            return
         try:
             gate = await _prove(self.host, self.remote_port, self.secret, self.timeout)
         except (TimeoutError, OSError, AuthError):
             _close(writer)  # the store client sees a closed connection: unreachable
             return
         await _splice((reader, writer), gate)
+
+
+def same_user(peer_port: int, port: int, table: str = "/proc/net/tcp") -> bool:
+    """Whether the loopback connection from ``peer_port`` to ``port`` belongs to this
+    process's user (or root): the kernel's socket tables (``table``, and its IPv6 twin, where
+    torch's store client makes IPv4-mapped connections) name each socket's owner. Where there
+    is no such table (not Linux), every local connection counts as this user's."""
+    lines, found = [], False
+    for path in (table, table + "6"):
+        try:
+            lines += Path(path).read_text().splitlines()[1:]
+            found = True
+        except OSError:
+            pass
+    if not found:
+        return True
+    loopback = ("0100007F", "0000000000000000FFFF00000100007F",
+                "00000000000000000000000001000000")
+    local = {f"{a}:{peer_port:04X}" for a in loopback}
+    remote = {f"{a}:{port:04X}" for a in loopback}
+    for line in lines:
+        f = line.split()
+        if len(f) > 7 and f[1] in local and f[2] in remote:
+            return int(f[7]) in (os.getuid(), 0)
+    return False  # not found: not a loopback connection of this machine's
 
 
 _doors: dict[tuple[str, int], Door] = {}

@@ -319,6 +319,12 @@ def open_store(host: str, port: int, timeout: float, ns: Namespace | None = None
         try:
             host, port = auth.door_to(*remote, timeout)
         except OSError as e:
+            # It answered a connection just now: if it still sends no challenge, it is no
+            # gate (an --insecure coordinator, or another service) — not worth retrying.
+            if not auth.asks_for_secret(*remote, timeout=3.0):
+                raise auth.AuthError(f"the coordinator at {remote[0]}:{remote[1]} did not "
+                                     f"ask for the run secret (started with --insecure, or "
+                                     f"not a noloco coordinator)") from None
             raise dist.DistNetworkError(f"cannot reach the run's store at {remote[0]}:"
                                         f"{remote[1]} ({e})") from None
     try:

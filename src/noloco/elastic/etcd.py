@@ -143,16 +143,24 @@ class EtcdStore(dist.Store):
                 raise EtcdAuthError(f"the etcd cluster at {self.address} asks for a user: "
                                     f"set {USER_ENV} and {PASSWORD_ENV}") from None
             self._authenticate()  # the token expired (etcd's --auth-token-ttl)
-            return self._post_once(path, body, once)
+            try:
+                return self._post_once(path, body, once)
+            except _Unauthenticated as e:
+                raise EtcdAuthError(f"the etcd cluster at {self.address} does not let user "
+                                    f"{self.credentials[0]!r} do this ({e})") from None
 
     def _authenticate(self) -> None:
         assert self.credentials
         user, password = self.credentials
-        self._token = None
         try:
             got = self._post_once("/v3/auth/authenticate", {"name": user, "password": password})
         except _Unauthenticated:
             got = {}
+        except dist.DistNetworkError as e:
+            if "authentication is not enabled" not in str(e):
+                raise
+            self.credentials = None  # the cluster admits everyone: no token to send
+            return
         if not got.get("token"):
             raise EtcdAuthError(f"the etcd cluster at {self.address} refused user {user!r} "
                                 f"(wrong {PASSWORD_ENV}?)")

@@ -394,7 +394,7 @@ class Joining:
         pg.recv([size], 0, 0).wait()
         # The declared size is checked before anything is allocated: a peer cannot make
         # this replica allocate more than a few copies of its own model.
-        bound = STATE_COPIES * sum(p.numel() * 4 for p in self.params) + STATE_SLACK
+        bound = self._copies() * sum(p.numel() * 4 for p in self.params) + STATE_SLACK
         if not 0 < int(size.item()) <= bound:
             raise BadState(f"it declared {int(size.item())} bytes; this model's state takes "
                            f"at most {bound}")
@@ -408,6 +408,12 @@ class Joining:
             raise BadState(f"it is not a state ({type(e).__name__})") from None
         self._check_state(state)
         return state, blob.numel() + 8
+
+    def _copies(self) -> int:
+        """Model-sized tensors a live state of this method may hold: the model, slow weights
+        and outer momentum, and a sync in flight — what was sent and what each partner of
+        its group sent back, fast and slow weights each."""
+        return max(STATE_COPIES, 3 + 2 * getattr(self.method, "group_size", 1) + 2)
 
     def _check_state(self, state: Any) -> None:
         """Raise :class:`BadState` unless ``state`` has this model's parameters (names, shapes,
@@ -460,7 +466,12 @@ class Joining:
             for i in state["phi_is_model"]:
                 phi[i] = self.method.frags[i].fast().clone()
             method = {**method, "phi": phi}
+        guard = getattr(self.method, "guard", None)
+        judged = (list(guard.rejected), guard.checked) if guard is not None else None
         self.method.load_state_dict(method)
+        if guard is not None and judged is not None:
+            # The donor's scale of distances, but this replica's own record of what it judged.
+            guard.rejected, guard.checked = judged
         self.comm.calls = int(state["comm_calls"])
         self.comm.commits = int(state.get("comm_commits", self.comm.commits))
         if own is not None:  # this replica's own inner optimizer and data position

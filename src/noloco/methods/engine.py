@@ -277,6 +277,10 @@ class OuterSync(Method, ABC):
         self.wait_seconds.append(time.perf_counter() - t0)
         frag = self.frags[sync.fragment]
         if isinstance(received, str) and received == SKIPPED:
+            if sync.own_bad and self.guard is not None:  # no step, but no bad weights either
+                for f in self.frags:
+                    merge(f.params, f.phi, 0.0)
+                self.guard.restart_inner = True
             return  # no outer step: φ unchanged, θ trains on (the next sync takes it all)
         frag.flat_phi.grad = self.pseudo_gradient(frag, sync, received)
         frag.outer.step()
