@@ -89,6 +89,10 @@ class ElasticCommunicator(Communicator):
         could not be reached: a partition"""
         self._cut = False
         """the last operation could not reach the store (one event per such period)"""
+        self._last_snapshot: list[int] = []
+        self._regroup: set[int] = set()
+        """after the store restarted empty: the replicas of the last snapshot before it,
+        which the new epoch's first snapshot waits a moment for (:meth:`_await_regroup`)"""
         self.commits = 0
         """all-reduces this replica stepped with, as every member of their outcome did: a
         replica with fewer than a live one's has other slow weights — it is behind"""
@@ -166,12 +170,14 @@ class ElasticCommunicator(Communicator):
                 await_value(self.store, f"{key}/ok", self.peer_timeout)
                 got = probe(self.store, key)
             if got is None:
+                self._await_regroup()
                 got = self.store.compare_set(key, "", json.dumps(self.m.eligible()))
                 self.store.set(f"{key}/ok", "1")
                 self._own(self.calls + KEEP_SNAPSHOTS - KEEP_OPS,
                           [key, f"{key}/w", f"{key}/ok"])
         snap = json.loads(got)
         self._cut = False
+        self._last_snapshot, self._regroup = snap, set()
         now, step = time.monotonic(), self.m.step
         if self._seen is not None and step > self._seen[1]:
             pace = (now - self._seen[0]) / (step - self._seen[1])
@@ -212,6 +218,18 @@ class ElasticCommunicator(Communicator):
     def new_epoch(self) -> None:
         """The store restarted empty: the keys this replica owned went with it."""
         self._owned.clear()
+        self._regroup = set(self._last_snapshot)
+
+    def _await_regroup(self) -> None:
+        """The first snapshot of a new epoch waits — at most half the peer timeout, which
+        the others wait for a snapshot — until the replicas of the last snapshot before the
+        outage registered again: they reconnect about a second apart, and the first one back
+        would otherwise step alone, and (DiLoCo) everyone would then heal from it, throwing
+        their own progress through the outage away."""
+        want, self._regroup = self._regroup, set()
+        deadline = time.monotonic() + self.peer_timeout / 2
+        while want and not want <= set(self.m.eligible()) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _own(self, call: int, keys: list[str]) -> None:
         self._owned.setdefault(call, []).extend(keys)
