@@ -127,6 +127,38 @@ def test_a_failing_heartbeat_backs_off_and_beats_again(store, capfd):
 FAKETIME = shutil.which("faketime")
 
 
+TICKS = """
+import threading, time
+from noloco.stop import StopEvent
+stop, ticks = StopEvent(), []
+def loop():
+    while not stop.wait(0.2):
+        ticks.append(1)
+t = threading.Thread(target=loop, daemon=True)
+t.start()
+end = time.monotonic() + 1.5
+while time.monotonic() < end:  # the training thread, busy
+    pass
+stop.set()
+t.join()
+print(len(ticks))
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(FAKETIME is None, reason="Debian's faketime is not installed")
+@pytest.mark.parametrize("skew", ["+120s", "-120s"])
+def test_a_periodic_thread_ticks_under_a_faked_clock(skew):
+    """libfaketime fakes the monotonic clock but not the timed lock wait that
+    ``threading.Event.wait(t)`` is made of: there a heartbeat thread waited minutes instead of
+    0.6 s, and every replica of a skewed machine was cut off after a few seconds of training.
+    The periodic threads wait on :class:`noloco.stop.StopEvent`, which ticks on time."""
+    r = subprocess.run([FAKETIME, "-f", skew, sys.executable, "-c", TICKS],
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr
+    assert 5 <= int(r.stdout) <= 8, r.stdout
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(FAKETIME is None, reason="Debian's faketime is not installed")
 def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path, shakespeare):
@@ -277,8 +309,8 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
                                                                              shakespeare):
     """hang:2@40:12 stops replica 2's training loop for 4 x --peer-timeout while its heartbeat
     goes on. Progress, not heartbeats, keeps a replica in: the partner that waited for it
-    marks it, later snapshots leave it out, so no partner is blocked more than twice the
-    timeout in the whole run; replica 2, far behind when it wakes, catches up by taking a
+    marks it, later snapshots leave it out, so at most two operations of the whole run wait
+    for it; replica 2, far behind when it wakes, catches up by taking a
     live replica's state and exchanges again."""
     timeout = 3.0
     out = tmp_path / "run"
@@ -292,9 +324,13 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
     assert "hangs after step 40" in r.stderr
     s = json.loads((out / "summary.json").read_text())
     assert s["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
-    # waiting for partners to arrive (moving the bytes of 60 exchanges is apart)
-    blocked = {k: v for k, v in s["arrival_seconds_per_replica"].items() if k != "2"}
-    assert max(blocked.values()) <= 2 * timeout, blocked
+    # The partner that waited for it first marked it; only a snapshot fixed while that wait
+    # ran (by the replicas that went on meanwhile) still held it: at most two operations in
+    # the whole run waited for it, no partner twice. (Not the seconds blocked in arrivals: on
+    # a loaded machine the ordinary skew of 60 arrivals sums to more than a timeout.)
+    waited = [(r, e["call"]) for r, evs in s["events"].items() if r != "2" for e in evs
+              if e["kind"] == "absent" and 2 in e["missing"]]
+    assert 1 <= len(waited) <= 2 and len({r for r, _ in waited}) == len(waited), s["events"]
     healed = [j for j in s["joins"] if j.get("kind") == "healed"]
     assert healed and healed[0]["step"] > healed[0]["step_before"] + 40, s["joins"]
     # after catching up it is a partner again: it sent more than before the hang

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TextIO
 
+from noloco.stop import StopEvent
+
 
 def heartbeat_key(attempt: int, rank: int) -> str:
     return f"noloco/hb/{attempt}/{rank}"
@@ -48,7 +50,7 @@ class Watchdog:
         self.step = 0
         self._wait: tuple[str, tuple[int, ...], float] | None = None
         self._warned: float | None = None
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._thread: threading.Thread | None = None
 
     # ---- the training thread -------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Any
 from noloco.elastic.deadline import Prefixed, open_store
 from noloco.elastic.keys import BOOT_KEY, RUNS_KEY, run_prefix
 from noloco.elastic.membership import Monitor, probe
+from noloco.stop import StopEvent
 
 
 class Host:
@@ -64,7 +65,7 @@ class Host:
         self.server.set(BOOT_KEY, self.boot)
         self.monitors: dict[str, Monitor] = {}
         """``RUN_ID/EPOCH`` → its monitor"""
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._thread = threading.Thread(target=self._loop, name="noloco-host", daemon=True)
         self._thread.start()
 

@@ -40,6 +40,7 @@ from noloco.elastic.keys import (
     settings_key,
     starts_key,
 )
+from noloco.stop import StopEvent
 
 
 def _stop_thread(event: threading.Event, thread: threading.Thread | None,
@@ -83,7 +84,7 @@ class Membership:
         steps, the last validation loss, seconds blocked, joins"""
         self.joining = incarnation > 0
         """taking a live replica's state (a respawn): no member of new snapshots until done"""
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._thread: threading.Thread | None = None
         self.beats = 0
         """heartbeats written so far: the counter the monitor watches move"""
@@ -384,7 +385,7 @@ class Monitor:
         """(replica, stage) → ((incarnation, counter) last seen, when it last changed)"""
         self.settings: dict[str, Any] | None = None
         self.published = 0
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Monitor:

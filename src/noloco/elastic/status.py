@@ -33,6 +33,7 @@ from noloco.elastic.keys import (
     settings_key,
 )
 from noloco.elastic.membership import probe, read
+from noloco.stop import StopEvent
 
 STATES = ("training", "joining", "behind", "late", "dead", "finished", "absent")
 """a replica's state in the view: training; joining (taking a live state); behind (an
@@ -285,7 +286,7 @@ class Dashboard:
         self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self._stop = threading.Event()
+        self._stop = StopEvent()
         self._threads = [threading.Thread(target=self.server.serve_forever, name="noloco-web",
                                           daemon=True),
                          threading.Thread(target=self._poll, name="noloco-view", daemon=True)]
