@@ -79,6 +79,19 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+def ready(script: str, prefix: str) -> bool:
+    """Whether a benchmark can build its namespaces here: if not, say why (it skips); if so,
+    remove what a killed run of it left behind first."""
+    ok, why = available()
+    if not ok:
+        print(f"{script}: skipped: {why}")
+        return False
+    stale = cleanup(prefix)
+    if stale:
+        print(f"removed stale namespaces of a killed run: {', '.join(stale)}")
+    return True
+
+
 def namespaces(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Names of the existing namespaces that start with ``prefix``."""
     out = _run("ip", "netns", "list", check=False).stdout

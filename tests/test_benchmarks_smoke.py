@@ -169,3 +169,14 @@ def test_startup_and_generate_quick_write_records(tmp_path: Path) -> None:
     assert runs["every-worker"]["2"]["corpus_private_bytes_sum"] > 0
     gen = json.loads((tmp_path / "generate_quick.json").read_text())["results"]
     assert gen["same_tokens"] and gen["tokens_per_second"]["cached"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_payload_mac_quick_writes_a_record(tmp_path: Path) -> None:
+    out = subprocess.check_output([sys.executable, str(BENCH / "payload_mac.py"), "--quick",
+                                   "--out-dir", str(tmp_path)], text=True, timeout=180)
+    if "skipped" in out:
+        pytest.skip(out.strip())
+    r = json.loads((tmp_path / "payload_mac_quick.json").read_text())["results"]
+    assert {"plain", "sealed", "sealed_serial"} <= set(r["seconds"])
+    assert r["seconds"]["sealed"]["n"] == 3 and r["hash_seconds"] > 0

@@ -133,17 +133,25 @@ class Communicator(ABC):
         self.watchdog: Any = None
         """a :class:`noloco.watchdog.Watchdog`: names the peer a stalled or failed wait is
         blocked on (None: plain errors)"""
+        self.sealer: Any = None
+        """a :class:`noloco.integrity.Sealer` when payloads carry MACs (an elastic run with a
+        run secret); their tags' bytes are counted in ``mac_bytes``, not ``bytes_sent``"""
+        self.mac_bytes = 0
+        self.tamper = False
+        """fault injection (``tamper:R@S``): every payload leaves altered after it was sealed,
+        as a machine on its path could alter it"""
 
     # ---- accounting --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The accounting (bytes, blocked seconds, operation counts), for checkpoints."""
         return {"bytes_sent": self.bytes_sent, "sync_seconds": self.sync_seconds,
-                "ops": dict(self.ops)}
+                "ops": dict(self.ops), "mac_bytes": self.mac_bytes}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.bytes_sent = int(sd["bytes_sent"])
         self.sync_seconds = float(sd["sync_seconds"])
         self.ops = Counter(sd["ops"])
+        self.mac_bytes = int(sd.get("mac_bytes", 0))
 
     @contextlib.contextmanager
     def uncounted(self) -> Iterator[None]:

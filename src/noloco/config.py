@@ -128,6 +128,10 @@ class MethodConfig:
         "(noloco) or this replica's own outer gradient (diloco, streaming) must be finite and "
         "within --guard-factor x the running median of recent update sizes; a rejected one is "
         "left out and listed in the summary (docs/security.md)")
+    payload_mac: bool = opt(
+        True, "elastic at a coordinator with a run secret: every payload replicas send each "
+        "other (exchanges, quantised messages, join states) carries a MAC under a key from the "
+        "secret; one that fails is dropped as if its sender were absent (docs/security.md)")
     guard_factor: float = opt(
         10.0, "the update guard's k: an update further than k x the running median of recent "
         "ones is rejected")
@@ -204,7 +208,8 @@ class TrainConfig:
         "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), hang:REPLICA@STEP[:SECONDS] (the "
         "training loop stops, the heartbeat goes on), crash:REPLICA@STEP (an error), "
         "corrupt:REPLICA@STEP:nan or corrupt:REPLICA@STEP:scale:F (its weights turn NaN or "
-        "are multiplied by F), slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but "
+        "are multiplied by F), tamper:REPLICA@STEP (what it sends is altered on the wire), "
+        "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but "
         "slow fire once, in the first attempt")
     device: str = opt("auto", "cpu, cuda or auto")
     compile: bool = opt(
@@ -474,7 +479,8 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", 
              "train.wandb", "train.overwrite", "train.checkpoint_every",
              "train.keep_checkpoints", "train.max_restarts", "train.inject_fault",
              "method.comm_timeout", "method.stall_warning", "method.elastic",
-             "method.peer_timeout", "train.respawn", "train.coordinator", "train.replica_ids",
+             "method.peer_timeout", "method.payload_mac", "train.respawn", "train.coordinator",
+             "train.replica_ids",
              "train.run_id", "train.coordinator_timeout", "train.dashboard",
              "train.secret_file")
 """Settings that may differ when a run is resumed: none of them changes the computed numbers

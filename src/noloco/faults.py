@@ -18,10 +18,13 @@ names a worker by its replica (and optionally its stage) and an inner step:
 - ``corrupt:R@S:nan`` / ``corrupt:R@S:scale:F`` — after inner step S the weights of replica R
   turn NaN, or are multiplied by F: a faulty accelerator, a bit flip, a bug — what the update
   guard (:mod:`noloco.guard`) keeps from spreading.
+- ``tamper:R@S`` — from inner step S on, every payload replica R sends another replica leaves
+  altered after it was sealed: what a machine on the path between them could do. With a run
+  secret the receivers drop it (:mod:`noloco.integrity`); without one it goes through.
 
 ``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
-kill, stall, hang, crash and corrupt fire once per run: in the first attempt of a fresh run, never
-again after a restart or a resume (which would otherwise replay them forever).
+kill, stall, hang, crash, corrupt and tamper fire once per run: in the first attempt of a fresh
+run, never again after a restart or a resume (which would otherwise replay them forever).
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from noloco.errors import ConfigError
 
-KINDS = ("kill", "stall", "hang", "slow", "crash", "corrupt")
+KINDS = ("kill", "stall", "hang", "slow", "crash", "corrupt", "tamper")
 HANG_SECONDS = 60.0
 """how long ``hang:R@S`` stops the training loop when it names no time"""
 
@@ -83,7 +87,7 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                 fault = Fault("corrupt", replica, stage, step=int(parts[0]), factor=factor)
                 if fault.step < 1:
                     raise ValueError
-            elif kind in ("kill", "stall", "hang", "crash"):
+            elif kind in ("kill", "stall", "hang", "crash", "tamper"):
                 who, _, when = rest.partition("@")
                 parts = when.split(":")
                 if len(parts) not in {"stall": (2,), "hang": (1, 2)}.get(kind, (1,)):
@@ -99,7 +103,8 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
         except ValueError:
             raise ConfigError(f"bad --inject-fault {item!r} (expected kill:REPLICA@STEP, "
                               f"stall:REPLICA@STEP:SECONDS, hang:REPLICA@STEP[:SECONDS], "
-                              f"crash:REPLICA@STEP, corrupt:REPLICA@STEP:nan, "
+                              f"crash:REPLICA@STEP, tamper:REPLICA@STEP, "
+                              f"corrupt:REPLICA@STEP:nan, "
                               f"corrupt:REPLICA@STEP:scale:FACTOR or "
                               f"slow:REPLICA:FACTOR>=1)") from None
         if not 0 <= fault.replica < replicas or (
@@ -135,7 +140,8 @@ class FaultInjector:
         if self.slow > 1.0:
             time.sleep((self.slow - 1.0) * step_seconds)
 
-    def after_step(self, step: int, params: list[torch.Tensor] | None = None) -> None:
+    def after_step(self, step: int, params: list[torch.Tensor] | None = None,
+                   comm: Any = None) -> None:
         # The first step at or past the fault's: an elastic replica that caught up by taking
         # a live state jumps over steps, and its fault must not vanish with them.
         due = [s for s in self.pending if s <= step]
@@ -158,6 +164,11 @@ class FaultInjector:
                         p.fill_(math.nan)
                     else:
                         p.mul_(fault.factor)
+        elif fault.kind == "tamper":
+            print(f"noloco: injected fault: every payload {who} sends is altered on the wire "
+                  f"from step {step} on", file=sys.stderr, flush=True)
+            if comm is not None:
+                comm.tamper = True
         elif fault.kind == "crash":
             raise InjectedCrash(f"injected crash of {who} after step {step}")
         elif fault.kind == "hang":

@@ -397,7 +397,7 @@ class Trainer:
             if self.ckpt.due(st.step) or (last and self.ckpt.every > 0):
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.poll()
-            faults.after_step(st.step, self.params)
+            faults.after_step(st.step, self.params, self.comm)
         return self.end(log)
 
     def end(self, log: Progress) -> dict[str, Any] | None:

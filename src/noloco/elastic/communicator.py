@@ -26,6 +26,14 @@ from noloco.comm import (
 from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.keys import missed_key, op_tag, snapshot_key
 from noloco.elastic.membership import Membership, await_value, live_replicas, probe
+from noloco.integrity import (
+    TAG_BYTES,
+    Opened,
+    finish_peer,
+    open_messages,
+    post_exchange,
+    sealed_messages,
+)
 from noloco.methods.noloco import groups_of
 
 __all__ = ["ElasticCommunicator", "groups_of"]
@@ -349,35 +357,37 @@ class ElasticCommunicator(Communicator):
             self.events.append({"call": call, "step": self.m.step, "kind": "lost",
                                 "missing": present, "error": str(e).splitlines()[0][:200]})
             return _Done(self, [None] * len(peers))
-        works: dict[int, list[Any]] = {}
-        lost = []
-        # Receives first, as in TorchCommunicator.exchange_async (gloo's "ready" notice). A
-        # peer that closed its group since raises on posting: it is lost, like one that
-        # breaks the transfer later (_PeerWorks).
-        for p in present:
-            try:
-                works[p] = [pg.recv([bufs[peers.index(p)]], final.index(p), 0)]
-            except RuntimeError:
-                lost.append(p)
-        for p in [p for p in present if p not in lost]:
-            try:
-                works[p].append(pg.send([tensor], final.index(p), 0))
-            except RuntimeError:
-                lost.append(p)
-                works.pop(p)
+        # Receives first (gloo's "ready" notice); with payload MACs in chunks, each hashed
+        # as it lands (noloco.integrity). A peer that closed its group since raises on
+        # posting: it is lost, like one that breaks the transfer later (_PeerWorks).
+        works, sealed, lost = post_exchange(
+            pg, tensor, [bufs[peers.index(p)] for p in present],
+            [(p, final.index(p)) for p in present], self.rank, self.sealer,
+            self.context(tag), self.tamper)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.sealer is not None:
+            self.mac_bytes += len(works) * TAG_BYTES
         if lost:
             self.partial += 1
             self.events.append({"call": call, "step": self.m.step, "kind": "lost",
                                 "missing": lost})
-        self.bytes_sent += len(works) * tensor.numel() * tensor.element_size()
-        return _PeerWorks(self, call, pg, peers, bufs, works, self.last_agree_seconds)
+        self.bytes_sent += len(works) * nbytes
+        return _PeerWorks(self, call, pg, peers, bufs, works, self.last_agree_seconds, sealed)
+
+    def context(self, tag: str) -> str:
+        """What a payload's MAC binds it to besides its bytes: the run, the store's epoch
+        and the operation (its call, stage, attempt and group)."""
+        ns = self.m.ns
+        return f"{ns.run_id}/{ns.epoch}/{tag}" if ns is not None else tag
 
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
         """The mean over the snapshot's replicas that arrive; a member lost during the
         all-reduce discards it and the survivors retry among themselves. Done before
         returning (no overlap)."""
 
-        def mean(pg: Any, k: int) -> int:
+        def mean(pg: Any, final: list[int], context: str) -> int:
+            # gloo sums inside its own messages: nothing here to seal (noloco.integrity)
+            k = len(final)
             pg.allreduce([tensor]).wait()
             tensor.div_(k)
             return ring_all_reduce_bytes(tensor.numel() * tensor.element_size(), k)
@@ -394,20 +404,74 @@ class ElasticCommunicator(Communicator):
         _check_quantizable(tensor, fmt, block_size)
         n = tensor.numel()
 
-        def mean(pg: Any, k: int) -> int:
+        def mean(pg: Any, final: list[int], context: str) -> int:
+            k = len(final)
             send = quantized_messages(tensor, k, fmt, block_size)
-            tensor.copy_(quantized_mean(
-                send, n, k, fmt, block_size,
-                lambda recv, sent: pg.alltoall_base(recv, sent, [], []).wait(),
-                lambda out, x: pg.allgather([out], [x]).wait()))
+            if self.sealer is None:
+                phases = (lambda recv, sent: pg.alltoall_base(recv, sent, [], []).wait(),
+                          lambda out, x: pg.allgather([out], [x]).wait())
+            else:
+                phases = self._sealed_phases(pg, final, context)
+            tensor.copy_(quantized_mean(send, n, k, fmt, block_size, *phases))
             return quantized_all_reduce_bytes(n, k, fmt, block_size)
 
         return self._quorum(tensor, "all_reduce_quantized", mean)
 
-    def _quorum(self, tensor: torch.Tensor, op: str, mean: Callable[[Any, int], int]
-                ) -> Pending:
-        """``mean(process group, members)`` (which leaves the mean in ``tensor`` and returns
-        the bytes sent) among the snapshot's replicas that arrive."""
+    def _sealed_phases(self, pg: Any, final: list[int], context: str
+                       ) -> tuple[Callable[..., None], Callable[..., None]]:
+        """The quantised all-reduce's two phases with every message sealed (its tag after
+        it). A message whose tag fails makes the attempt fail on every member, like a lost
+        one, and never hangs the others: the member that saw it still takes part in the
+        all-gather, with a flag byte that says so, and every member raises :class:`BadMac`."""
+        sealer, me, k = self.sealer, self.rank, len(final)
+        assert sealer is not None
+        seen: list[int] = []
+
+        def altered(x: torch.Tensor) -> torch.Tensor:
+            if self.tamper:  # every message altered on the wire, after it was sealed
+                x.view(k, -1)[:, 0] ^= 0xFF
+            return x
+
+        def all_to_all(recv: torch.Tensor, sent: torch.Tensor) -> None:
+            out = altered(sealed_messages(sealer, sent, context + "/a2a", me, final))
+            got = torch.empty_like(out)
+            pg.alltoall_base(got, out, [], []).wait()
+            self.mac_bytes += (k - 1) * TAG_BYTES
+            body, bad = open_messages(sealer, got, context + "/a2a", final, me)
+            seen.extend(bad)
+            if bad:  # what was received is not used; the attempt fails after phase 2
+                body.zero_()
+            recv.copy_(body)
+
+        def all_gather(out: list[torch.Tensor], x: torch.Tensor) -> None:
+            # Before the chunk: which members' phase-1 messages failed here (one byte each),
+            # so that every member learns whom every other one blames.
+            blame = torch.tensor([r in seen for r in final], dtype=torch.uint8)
+            flagged = torch.cat([blame, x])
+            mine = torch.cat([flagged, sealer.seal(flagged, context + "/gather", me,
+                                                   ["*"])[0]])
+            if self.tamper:
+                mine[k] ^= 0xFF
+            got = [torch.empty_like(mine) for _ in out]
+            pg.allgather([got], [mine]).wait()
+            self.mac_bytes += (k - 1) * (TAG_BYTES + k)
+            body, bad = open_messages(sealer, torch.cat(got), context + "/gather", final, "*")
+            rows = body.view(k, -1)
+            ok = [j for j in range(k) if final[j] not in bad]
+            blamed = {final[i] for j in ok for i in range(k) if rows[j, i]}
+            if bad or blamed:
+                # The same set on every member when the tampering is the sender's own (all
+                # its messages altered); else the retry's agreement settles who is in.
+                raise BadMac(sorted(blamed | set(bad)))
+            for o, b in zip(out, rows[:, k:], strict=True):
+                o.copy_(b)
+
+        return all_to_all, all_gather
+
+    def _quorum(self, tensor: torch.Tensor, op: str,
+                mean: Callable[[Any, list[int], str], int]) -> Pending:
+        """``mean(process group, members, context)`` (which leaves the mean in ``tensor`` and
+        returns the bytes sent) among the snapshot's replicas that arrive."""
         call = self.calls
         try:
             candidates = self._snapshot()
@@ -441,7 +505,8 @@ class ElasticCommunicator(Communicator):
             self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
 
     def _all_reduce(self, call: int, tensor: torch.Tensor, original: torch.Tensor,
-                    candidates: list[int], mean: Callable[[Any, int], int]) -> Pending:
+                    candidates: list[int], mean: Callable[[Any, list[int], str], int]
+                    ) -> Pending:
         """One outcome for everyone (package docstring, *One outcome per operation*): each
         attempt among the members that arrived either commits — every member whose collective
         completed steps with its mean, the rest are behind and heal — or aborts, and all its
@@ -459,9 +524,11 @@ class ElasticCommunicator(Communicator):
                 self.commits += not self.behind
                 return _Done(self, None)
             t0 = time.perf_counter()
-            error = None
+            error, forged = None, None
             try:
-                nbytes = mean(self._group(call, tag, final), len(final))
+                nbytes = mean(self._group(call, tag, final), final, self.context(tag))
+            except BadMac as e:  # dropped, as from a member that died
+                error, forged = str(e), e.senders
             except RuntimeError as e:  # a member died, stalled or lost its link
                 error = str(e).splitlines()[0][:200]
             committed = self._outcome(call, tag, final, error is None)
@@ -474,13 +541,21 @@ class ElasticCommunicator(Communicator):
             event = {"call": call, "step": self.m.step, "attempt": attempt, "group": final}
             if error is not None:
                 event["error"] = error
+            if forged:
+                event["bad_mac"] = forged
             if committed:  # it completed on other members, who stepped: take their state
                 self.events.append({**event, "kind": "behind"})
                 self.behind, self.unsure = True, False
                 return _Done(self, None)
             self.retries += 1
             self.events.append({**event, "kind": "lost" if error else "aborted"})
-            group = final
+            # A member whose payloads failed their MACs is left out of the retry, as one
+            # that died would be (the retry's agreement settles views that differ).
+            group = [r for r in final if r not in (forged or [])]
+            if self.rank not in group:
+                tensor.copy_(original)
+                self.behind, self.unsure = True, False
+                return _Done(self, None)
         # Every attempt aborted (the same sequence of outcomes on every member that is still
         # here): no mean stands, so nobody steps — every member skips the outer step alike
         # and their slow weights stay identical; the next all-reduce takes the inner steps
@@ -508,6 +583,16 @@ class ElasticCommunicator(Communicator):
 
 
 
+class BadMac(RuntimeError):
+    """Payloads whose MAC did not verify (altered on the way, or not from their sender)."""
+
+    def __init__(self, senders: list[int]) -> None:
+        who = (f"from replica {', '.join(map(str, senders))}" if senders
+               else "to another member")
+        super().__init__(f"a payload {who} failed its MAC check: dropped")
+        self.senders = senders
+
+
 class _Done(Pending):
     def __init__(self, comm: Communicator, result: Any) -> None:
         super().__init__(comm, [])
@@ -518,23 +603,25 @@ class _PeerWorks(Pending):
     """An elastic exchange in flight: each peer's transfer succeeds or fails on its own."""
 
     def __init__(self, comm: ElasticCommunicator, call: int, pg: Any, peers: Sequence[int],
-                 bufs: list[torch.Tensor], works: dict[int, list[Any]], agreed_in: float
-                 ) -> None:
+                 bufs: list[torch.Tensor], works: dict[int, list[Any]], agreed_in: float,
+                 sealed: dict[int, Opened] | None = None) -> None:
         super().__init__(comm, [w for ws in works.values() for w in ws])
         self._ecomm, self._call, self._pg = comm, call, pg
         self._peers, self._bufs, self._by_peer = list(peers), bufs, works
         self._agreed_in = agreed_in
+        self._sealed = sealed or {}
 
     def wait(self) -> Any:
         if self._done:
             return self._result
         t0 = time.perf_counter()
         result: list[torch.Tensor | None] = [None] * len(self._peers)
-        lost = []
+        lost, forged = [], []
         for p, works in self._by_peer.items():
             try:
-                for w in works:
-                    w.wait()
+                if not finish_peer(works, self._sealed.get(p)):
+                    forged.append(p)  # as if it were absent
+                    continue
                 result[self._peers.index(p)] = self._bufs[self._peers.index(p)]
             except RuntimeError:
                 lost.append(p)
@@ -545,6 +632,10 @@ class _PeerWorks(Pending):
             self._ecomm.partial += 1
             self._ecomm.events.append({"call": self._call, "step": self._ecomm.m.step,
                                        "kind": "lost", "missing": lost})
+        if forged:
+            self._ecomm.partial += 1
+            self._ecomm.events.append({"call": self._call, "step": self._ecomm.m.step,
+                                       "kind": "bad_mac", "missing": forged})
         self._pg = None  # its sockets close with it
         self._done, self._result = True, result
         return result

@@ -31,6 +31,7 @@ from noloco.elastic.keys import PREFIX, join_key
 from noloco.elastic.membership import await_value
 from noloco.errors import StoreLost, Superseded
 from noloco.guard import all_finite
+from noloco.integrity import TAG_BYTES, chunk_bounds
 from noloco.train import weights_checksum
 
 STATE_SLACK = 64 << 20
@@ -235,7 +236,26 @@ class Joining:
         """A join request once the joiner has named itself (it counts itself in first, and
         may die in between): None if it never does within the timeout."""
         got = await_value(self.membership.store, tag, self.cfg.method.peer_timeout)
-        return None if got is None else json.loads(got)
+        if got is None:
+            return None
+        req = json.loads(got)
+        sealer = self.comm.sealer
+        if sealer is not None and not sealer.signed(self.comm.context("join-request/" + tag),
+                                                    str(req.get("replica")), req.get("mac")):
+            print(f"noloco: replica {self.lay.replica}: join request {tag} failed its MAC: "
+                  f"ignored", file=sys.stderr, flush=True)
+            return None
+        return req
+
+    def _ask(self, tag: str) -> str:
+        """A join request (the joiner's id), signed when payloads carry MACs: the store is
+        reached only through the gate, but this is what makes a donor send its whole state."""
+        req: dict[str, Any] = {"replica": self.lay.replica}
+        sealer = self.comm.sealer
+        if sealer is not None:
+            req["mac"] = sealer.sign(self.comm.context("join-request/" + tag),
+                                     str(self.lay.replica))
+        return json.dumps(req)
 
     def checksum(self) -> int:
         """Of the model and every tensor of the method's state — slow weights, outer
@@ -258,7 +278,24 @@ class Joining:
             dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 0, 2,
             timedelta(seconds=self._transfer_timeout()))
         pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
-        pg.send([blob], 1, 1).wait()
+        sealer = self.comm.sealer
+        sent = blob
+        if self.comm.tamper:  # altered on the wire, after it was sealed
+            sent = blob.clone()
+            sent[-1] ^= 0xFF
+        if sealer is None:
+            pg.send([blob], 1, 1).wait()
+        else:
+            # In chunks (tags 1..k), then the tag (k+1), hashed while the chunks are on the
+            # wire; the joiner hashes each chunk as it lands (noloco.integrity).
+            chunks = chunk_bounds(blob.numel())
+            works = [pg.send([sent[a:b]], 1, 1 + i) for i, (a, b) in enumerate(chunks)]
+            mac = sealer.seal(blob, self.comm.context("join/" + tag), self.lay.replica,
+                              ["joiner"])[0]
+            works.append(pg.send([mac], 1, 1 + len(chunks)))
+            for w in works:
+                w.wait()
+            self.comm.mac_bytes += TAG_BYTES
         # Both ends are connected (the joiner received): the rendezvous key is spent.
         self.membership.store.delete_key(f"{tag}/pg/0/0")
         return blob.numel() + 8
@@ -308,7 +345,7 @@ class Joining:
             donor = fresh[0] if fresh else min(donors, key=failed.index)  # else the longest ago
             n = store.add(join_key(donor), 1)
             tag = f"{join_key(donor)}/{n}"
-            store.set(tag, json.dumps({"replica": self.lay.replica}))
+            store.set(tag, self._ask(tag))
             t0 = time.perf_counter()
             try:
                 # A donor answers between two steps; one that does not within the arrival
@@ -319,7 +356,7 @@ class Joining:
                 except dist.DistStoreError:
                     if store.compare_set(f"{tag}/go", "", "no") == b"no":
                         raise RuntimeError("the donor did not answer") from None
-                state, nbytes = self._receive_state(tag)
+                state, nbytes = self._receive_state(tag, donor)
             except RuntimeError as e:  # the donor died, is stuck or finished: ask another
                 if isinstance(e, BadState):  # or sent what this model cannot take
                     self.joins.append({"kind": "refused", "replica": self.lay.replica,
@@ -359,7 +396,7 @@ class Joining:
                 time.sleep(0.2)
             donor = donors[0]
             n = store.add(join_key(donor), 1)
-            store.set(f"{join_key(donor)}/{n}", json.dumps({"replica": lay.replica}))
+            store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
             store.set(choice, json.dumps({"donor": donor, "n": n}))
         while not store.check([choice]):
             if time.monotonic() > deadline:
@@ -369,7 +406,7 @@ class Joining:
         tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:
-            state, nbytes = self._receive_state(tag)
+            state, nbytes = self._receive_state(tag, c["donor"])
         except RuntimeError as e:  # the donor died or finished first: this start fails
             raise CommError(f"replica {lay.replica} stage {lay.stage} could not take its state "
                             f"from replica {c['donor']} ({str(e).splitlines()[0][:120]})"
@@ -385,7 +422,7 @@ class Joining:
                   f"state of replica {c['donor']}", file=sys.stderr, flush=True)
         return True
 
-    def _receive_state(self, tag: str) -> tuple[dict[str, Any], int]:
+    def _receive_state(self, tag: str, donor: int) -> tuple[dict[str, Any], int]:
         """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
         pg = dist.ProcessGroupGloo(
             dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 1, 2,
@@ -399,7 +436,23 @@ class Joining:
             raise BadState(f"it declared {int(size.item())} bytes; this model's state takes "
                            f"at most {bound}")
         blob = torch.empty(int(size.item()), dtype=torch.uint8)
-        pg.recv([blob], 0, 1).wait()
+        sealer = self.comm.sealer
+        if sealer is None:
+            pg.recv([blob], 0, 1).wait()
+        else:
+            parts = [blob[a:b] for a, b in chunk_bounds(blob.numel())]
+            mac = torch.empty(TAG_BYTES, dtype=torch.uint8)
+            works = [pg.recv([x], 0, 1 + i) for i, x in enumerate(parts)]
+            works.append(pg.recv([mac], 0, 1 + len(parts)))
+            opener = sealer.opener(self.comm.context("join/" + tag), donor, "joiner",
+                                   blob.numel())
+            for w, x in zip(works, parts, strict=False):
+                w.wait()
+                opener.update(x)
+            works[-1].wait()
+            if not opener.verify(mac):
+                raise BadState("its MAC does not match (altered on the way, or not from "
+                               "the donor)")
         self.membership.store.delete_key(f"{tag}/pg/0/1")
         # Tensors and plain containers only: no pickled code runs (as with checkpoints).
         try:

@@ -43,6 +43,7 @@ from noloco.elastic.deadline import (
 from noloco.elastic.join import Joining
 from noloco.elastic.keys import PREFIX, join_key, starts_key
 from noloco.elastic.membership import Membership
+from noloco.integrity import Sealer, payload_key
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.train import AVERAGED_METHODS, Trainer
@@ -91,9 +92,12 @@ class ElasticTrainer(Joining, Trainer):
                       replica=0, stage=lay.stage, replicas=1, stages=lay.stages)
 
     def make_comms(self) -> tuple[Communicator, Communicator]:
-        return (ElasticCommunicator(self._membership, self.cfg.method.peer_timeout,
-                                    self.cfg.method.comm_timeout),
-                NullCommunicator())
+        comm = ElasticCommunicator(self._membership, self.cfg.method.peer_timeout,
+                                   self.cfg.method.comm_timeout)
+        secret = auth.current_secret()
+        if secret is not None and self.cfg.method.payload_mac:
+            comm.sealer = Sealer(payload_key(secret))
+        return comm, NullCommunicator()
 
     # ---- evaluation: this replica only -----------------------------------------------------
     def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
@@ -144,6 +148,7 @@ class ElasticTrainer(Joining, Trainer):
             "wall_seconds": self.wall_seconds(), "partial_operations": comm.partial,
             "retries": comm.retries, "longest_wait_seconds": comm.longest_wait,
             "arrival_seconds": comm.arrival_seconds,
+            "payload_mac": comm.sealer is not None, "mac_bytes": comm.mac_bytes,
             "partitions": self.membership.cuts, "unreachable_ops": comm.unreachable_ops,
             "store_restarts": [
                 {**o, "operations_skipped": sum(o["from_step"] <= s <= o["to_step"]
@@ -318,6 +323,9 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         "arrival_seconds_per_replica": {str(r): s.get("arrival_seconds", 0.0)
                                         for r, s in finished.items()},
         "events": {str(r): s["events"] for r, s in finished.items()},
+        # payload MACs (noloco.integrity): their tags' bytes, apart from bytes_sent
+        "payload_mac": any(s.get("payload_mac") for s in finished.values()),
+        "mac_bytes_per_replica": {str(r): s.get("mac_bytes", 0) for r, s in finished.items()},
         "update_guard": {
             "factor": m.guard_factor if m.update_guard else None,
             "rejected": sorted((g for s in finished.values() for g in s["guard_rejected"]),
