@@ -203,7 +203,7 @@ def test_a_declared_state_size_beyond_the_model_is_refused_before_allocating():
     try:
         with pytest.raises(BadState, match=r"declared 1125899906842624 bytes; this model's "
                                            r"state takes at most \d+"):
-            Joining._receive_state(j, "t1")
+            Joining._receive_state(j, "t1", 0)
     finally:
         donor.wait(30)
 

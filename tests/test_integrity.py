@@ -82,6 +82,30 @@ def test_sealed_messages_name_the_sender_whose_message_was_altered():
     assert open_messages(s, got, "a2a", members, 2)[1] == [5]
 
 
+def test_the_first_outcome_names_whom_every_member_retries_without():
+    """After a failed MAC the members must retry in one group (its store key names it): the
+    outcome that stands — the first report — carries the senders to leave out, also to the
+    members that saw nothing wrong."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from noloco.elastic.communicator import ElasticCommunicator
+    from noloco.elastic.membership import Membership
+
+    server = dist.TCPStore("127.0.0.1", _free_port(), None, True, timedelta(seconds=20),
+                           wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=20))
+    comms = [ElasticCommunicator(Membership(store, r, 3, 5.0), 5.0) for r in range(3)]
+    first = comms[0]._outcome(0, "op/0", [0, 1, 2], False, [2])
+    assert first == (False, [2])
+    assert comms[1]._outcome(0, "op/0", [0, 1, 2], True) == (False, [2])  # it saw nothing
+    assert comms[2]._outcome(0, "op/0", [0, 1, 2], False, [1]) == (False, [2])
+    assert comms[1]._outcome(0, "op/1", [0, 1], True) == (True, [])
+    assert comms[0]._outcome(0, "op/2", [0, 1], False) == (False, [])
+    del store, server
+
+
 def test_tamper_is_a_fault():
     (f,) = parse_faults("tamper:1@20", 4, 1)
     assert (f.kind, f.replica, f.step) == ("tamper", 1, 20)

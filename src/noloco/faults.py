@@ -18,9 +18,11 @@ names a worker by its replica (and optionally its stage) and an inner step:
 - ``corrupt:R@S:nan`` / ``corrupt:R@S:scale:F`` — after inner step S the weights of replica R
   turn NaN, or are multiplied by F: a faulty accelerator, a bit flip, a bug — what the update
   guard (:mod:`noloco.guard`) keeps from spreading.
-- ``tamper:R@S`` — from inner step S on, every payload replica R sends another replica leaves
-  altered after it was sealed: what a machine on the path between them could do. With a run
-  secret the receivers drop it (:mod:`noloco.integrity`); without one it goes through.
+- ``tamper:R@S`` — (elastic runs) from inner step S on, every payload replica R sends another
+  replica — exchanges, quantised all-reduce messages, states — leaves altered after it was
+  sealed: what a machine on the path between them could do. With a run secret the receivers
+  drop it (:mod:`noloco.integrity`); without one it goes through. (gloo's own unquantised
+  all-reduce is not altered: noloco never holds its messages.)
 
 ``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
 kill, stall, hang, crash, corrupt and tamper fire once per run: in the first attempt of a fresh

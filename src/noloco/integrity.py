@@ -32,8 +32,8 @@ import torch
 
 TAG_BYTES = 32
 CHUNKS = 8
-"""a payload goes in this many pieces (within the bounds below): the receiver hashes one while
-the next arrives"""
+"""a payload goes in this many pieces, within the bounds below (so one over 128 MiB in more,
+of 16 MiB each): the receiver hashes one while the next arrives"""
 MIN_CHUNK = 1 << 18
 MAX_CHUNK = 1 << 24
 

@@ -531,7 +531,7 @@ class ElasticCommunicator(Communicator):
                 error, forged = str(e), e.senders
             except RuntimeError as e:  # a member died, stalled or lost its link
                 error = str(e).splitlines()[0][:200]
-            committed = self._outcome(call, tag, final, error is None)
+            committed, excluded = self._outcome(call, tag, final, error is None, forged or [])
             self.sync_seconds += time.perf_counter() - t0
             if committed and error is None:
                 self.bytes_sent += nbytes
@@ -550,8 +550,9 @@ class ElasticCommunicator(Communicator):
             self.retries += 1
             self.events.append({**event, "kind": "lost" if error else "aborted"})
             # A member whose payloads failed their MACs is left out of the retry, as one
-            # that died would be (the retry's agreement settles views that differ).
-            group = [r for r in final if r not in (forged or [])]
+            # that died would be — by the outcome that stands (the first report), so every
+            # member retries with the same group (its key names the group).
+            group = [r for r in final if r not in excluded]
             if self.rank not in group:
                 tensor.copy_(original)
                 self.behind, self.unsure = True, False
@@ -566,14 +567,20 @@ class ElasticCommunicator(Communicator):
                             "group": group})
         return _Done(self, SKIPPED)
 
-    def _outcome(self, call: int, tag: str, final: list[int], completed: bool) -> bool:
-        """Report this member's attempt and learn the attempt's outcome: committed (True) or
-        aborted. The first report stands (compare-and-set); one round trip."""
+    def _outcome(self, call: int, tag: str, final: list[int], completed: bool,
+                 exclude: Sequence[int] = ()) -> tuple[bool, list[int]]:
+        """Report this member's attempt and learn the attempt's outcome: committed, or
+        aborted with the members to leave out of the retry (those whose payloads failed
+        their MACs, as the reporter saw them). The first report stands (compare-and-set);
+        one round trip."""
         key = f"{tag}/outcome"
-        got = self.store.compare_set(key, "", "commit" if completed else "abort")
+        mine = ("commit" if completed else
+                f"abort:{json.dumps(sorted(exclude))}" if exclude else "abort")
+        got = self.store.compare_set(key, "", mine).decode()
         if self.rank == min(final):
             self._own(call, [key])
-        return got == b"commit"
+        excluded = json.loads(got[len("abort:"):]) if got.startswith("abort:") else []
+        return got == "commit", [r for r in excluded if r in final]
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
         # Not an operation of any elastic path: the methods exchange or all-reduce, and the
@@ -628,12 +635,11 @@ class _PeerWorks(Pending):
         self._ecomm.sync_seconds += time.perf_counter() - t0
         self._ecomm.longest_wait = max(self._ecomm.longest_wait,
                                        self._agreed_in + time.perf_counter() - t0)
+        self._ecomm.partial += bool(lost or forged)
         if lost:
-            self._ecomm.partial += 1
             self._ecomm.events.append({"call": self._call, "step": self._ecomm.m.step,
                                        "kind": "lost", "missing": lost})
         if forged:
-            self._ecomm.partial += 1
             self._ecomm.events.append({"call": self._call, "step": self._ecomm.m.step,
                                        "kind": "bad_mac", "missing": forged})
         self._pg = None  # its sockets close with it

@@ -284,7 +284,7 @@ class Joining:
             sent = blob.clone()
             sent[-1] ^= 0xFF
         if sealer is None:
-            pg.send([blob], 1, 1).wait()
+            pg.send([sent], 1, 1).wait()
         else:
             # In chunks (tags 1..k), then the tag (k+1), hashed while the chunks are on the
             # wire; the joiner hashes each chunk as it lands (noloco.integrity).
