@@ -19,7 +19,13 @@ CASES = {
     "ddp-accum": (["--method", "ddp", "--replicas", "2", "--grad-accum", "3",
                    "--checkpoint-every", "3"], 6, 3),
     "diloco": (["--method", "diloco", "--replicas", "2", "--sync-every", "3"], 6, 3),
+    # Muon's momentum and AdamW's moments, both in the checkpoint
+    "diloco-muon": (["--method", "diloco", "--replicas", "2", "--sync-every", "3",
+                     "--inner-optimizer", "muon"], 6, 3),
     "noloco": (["--method", "noloco", "--replicas", "2", "--sync-every", "3"], 6, 4),
+    # the error feedback buffer is in the checkpoint
+    "sparseloco": (["--method", "sparseloco", "--replicas", "2", "--sync-every", "3",
+                    "--compress", "topk:0.05:2"], 6, 3),
     # τ = 1: fragment 0's sync starts after step 4, the checkpoint's step, and lands at 5.
     "streaming": (["--method", "streaming", "--replicas", "2", "--sync-every", "4",
                    "--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"], 4, 2),
@@ -74,6 +80,7 @@ def finished(tmp_path_factory, request):
 BAD_RESUME = [
     (["--lr", "0.5"], "--lr cannot change when resuming"),
     (["--method", "ddp"], "--method cannot change when resuming"),
+    (["--inner-optimizer", "muon"], "--inner-optimizer cannot change when resuming"),
     (["--steps", "10"], "already reached step 10"),
     (["--steps", "20", "--out", "/tmp/elsewhere"], "--out cannot be combined with --resume"),
 ]

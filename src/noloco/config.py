@@ -21,10 +21,11 @@ from typing import Any
 
 from noloco.errors import ConfigError as ConfigError  # re-exported: its home is noloco.errors
 
-METHODS = ("single", "ddp", "diloco", "noloco", "streaming")
+METHODS = ("single", "ddp", "diloco", "noloco", "streaming", "sparseloco")
 ROUTINGS = ("random", "fixed")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 QUANT_FORMATS = ("none", "fp4", "int8", "fp8")
+INNER_OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -69,7 +70,10 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = opt(1e-3, "peak learning rate of the inner AdamW optimizer")
+    lr: float = opt(1e-3, "peak learning rate of the inner optimizer")
+    inner_optimizer: str = opt(
+        "adamw", "the inner optimizer: adamw, or muon (torch.optim.Muon for the matrices inside "
+        "the transformer blocks, AdamW for embeddings, head and norms; as MuLoCo)")
     warmup: int = opt(50, "linear warm-up steps (then cosine decay to lr/10)")
     weight_decay: float = opt(0.0, "AdamW weight decay of the inner optimizer")
     beta1: float = opt(0.9, "AdamW beta1")
@@ -109,6 +113,13 @@ class MethodConfig:
         0.5, "streaming: theta <- alpha*theta_local + (1-alpha)*theta_synced after the overlap"
     )
     quantize: str = opt("none", "format of exchanged outer gradients: " + ", ".join(QUANT_FORMATS))
+    compress: str | None = opt(
+        None, "sparseloco: what each replica sends of its error-feedback buffer, "
+        "topk:FRACTION[:BITS] — the FRACTION largest entries of every chunk of 4096, their "
+        "values in BITS (2, 3, 4, 8 or 32; default 32) (default topk:0.02:2)")
+    ef_decay: float = opt(
+        0.95, "sparseloco: the error feedback's decay beta (e <- beta*e + delta), which takes "
+        "the place of outer momentum")
     routing: str = opt("random", "pipeline routing between stages in training: random or fixed")
     microbatches: int = opt(0, "pipeline microbatches per step (0: 2 x stages, at most the "
                             "batch size; see docs/pipeline.md)")
@@ -255,10 +266,13 @@ class Config:
         """A copy with every method-dependent default filled in and everything validated."""
         cfg = Config.from_dict(self.to_dict())
         m = cfg.method
-        if m.sync_every is None and m.method in ("diloco", "noloco", "streaming"):
+        if m.sync_every is None and m.method in ("diloco", "noloco", "streaming", "sparseloco"):
             m.sync_every = 100 if m.method == "diloco" else 50
         if m.outer_lr is None and m.method in ("diloco", "noloco", "streaming"):
             m.outer_lr = 0.7
+        if m.method == "sparseloco":
+            m.outer_lr = 1.0 if m.outer_lr is None else m.outer_lr
+            m.compress = m.compress or "topk:0.02:2"
         if m.outer_momentum is None and m.method in ("diloco", "noloco", "streaming"):
             m.outer_momentum = 0.5 if m.method == "noloco" else 0.9
         if m.gamma is None and m.method == "noloco":
@@ -289,6 +303,9 @@ class Config:
             _positive("--threads", t.threads)
         _positive("--batch-size", d.batch_size)
         _positive("--grad-accum", o.grad_accum)
+        if o.inner_optimizer not in INNER_OPTIMIZERS:
+            raise ConfigError(f"unknown --inner-optimizer {o.inner_optimizer!r} (choose from "
+                              f"{', '.join(INNER_OPTIMIZERS)})")
         if t.precision not in PRECISIONS:
             raise ConfigError(f"unknown --precision {t.precision!r} (choose from "
                               f"{', '.join(PRECISIONS)})")
@@ -330,6 +347,21 @@ class Config:
             raise ConfigError(f"--log-every must be >= 0, got {t.log_every}")
         if o.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {o.warmup}")
+        if m.compress is not None:
+            if m.method != "sparseloco":
+                raise ConfigError("--compress applies to --method sparseloco only")
+            from noloco.sparse import parse
+
+            try:
+                parse(m.compress)
+            except ValueError as e:
+                raise ConfigError(f"--compress {m.compress}: {e}") from None
+        if not 0.0 <= m.ef_decay <= 1.0:
+            raise ConfigError(f"--ef-decay must lie in [0, 1], got {m.ef_decay}")
+        if m.method == "sparseloco" and (m.elastic or m.outer_momentum is not None):
+            raise ConfigError("--method sparseloco takes no --outer-momentum (its error feedback "
+                              "is the momentum) and is not elastic yet (an elastic run "
+                              "all-gathers nothing)")
         if m.method == "single" and m.replicas != 1:
             raise ConfigError("--method single runs one replica; use ddp, diloco, noloco or "
                               "streaming for --replicas > 1")
@@ -439,7 +471,10 @@ class Config:
             raise ConfigError(f"--max-restarts must be >= 0, got {t.max_restarts}")
         from noloco.faults import parse_faults
 
-        parse_faults(t.inject_fault, m.replicas, m.stages)
+        if any(f.kind == "tamper" for f in parse_faults(t.inject_fault, m.replicas, m.stages)) \
+                and not m.elastic:
+            raise ConfigError("--inject-fault tamper: applies to elastic runs (what their "
+                              "replicas send each other is sealed; a static run's is gloo's)")
         if t.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"unknown device {t.device!r} (choose from auto, cpu, cuda)")
 

@@ -35,11 +35,12 @@ from noloco.metrics import (
     run_summary,
 )
 from noloco.model import Forward, autocast, build, count_params, lm_loss, preset
+from noloco.optim import build_inner
 from noloco.rundir import RunDir
 from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
 
-AVERAGED_METHODS = ("diloco", "noloco", "streaming")
+AVERAGED_METHODS = ("diloco", "noloco", "streaming", "sparseloco")
 """methods whose replicas end with different weights: their mean is saved as a model too"""
 
 
@@ -181,8 +182,8 @@ class Trainer:
         # Named parameters let streaming methods cut fragments by block (global block names).
         self.method = build_method(m, self.runner.named_parameters(), self.comm, seed=t.seed,
                                    n_layers=n_layers, backward_passes=o.grad_accum)
-        self.inner = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2),
-                                       weight_decay=o.weight_decay)
+        self.inner = build_inner(self.runner.named_parameters(), o.inner_optimizer, o.lr,
+                                 (o.beta1, o.beta2), o.weight_decay)
         torch.manual_seed(t.seed * 1009 + lay.rank)  # dropout differs per worker, on purpose
         self.watchdog = None
         self.tensorboard: TensorBoard | None = None
@@ -379,7 +380,7 @@ class Trainer:
             if guard is not None and guard.restart_inner:
                 # Its own update was bad (NaN, huge): it took the synced weights, and the
                 # inner optimizer's state, poisoned by the same gradients, starts afresh.
-                inner.state.clear()
+                inner.reset()
                 guard.restart_inner = False
                 print(f"noloco: replica {lay.replica} (stage {lay.stage}): its own update "
                       f"was rejected at step {st.step}; it took the synced weights and "

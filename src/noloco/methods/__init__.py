@@ -15,10 +15,11 @@ from noloco.methods.ddp import DDP
 from noloco.methods.diloco import DiLoCo
 from noloco.methods.engine import FragmentSchedule, OuterSync
 from noloco.methods.noloco import NoLoCo, groups_at, stability_bounds
+from noloco.methods.sparseloco import SparseLoCo
 from noloco.methods.streaming import StreamingDiLoCo
 
 __all__ = ["DDP", "DiLoCo", "FragmentSchedule", "Method", "NoLoCo", "OuterSync", "Single",
-           "StreamingDiLoCo",
+           "SparseLoCo", "StreamingDiLoCo",
            "build_method", "groups_at", "stability_bounds"]
 
 
@@ -54,6 +55,9 @@ def build_method(cfg: MethodConfig,
         # A pipeline stage runs backward once per microbatch, gradient accumulation once per
         # accumulated microbatch: no overlap with either (DDP's invariant).
         return DDP(model, comm, overlap=cfg.stages == 1 and backward_passes == 1)
+    if cfg.method == "sparseloco":
+        return SparseLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
+                          decay=cfg.ef_decay, compress=cfg.compress, guard=guard)
     if cfg.method == "diloco":
         return DiLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       momentum=cfg.outer_momentum, nesterov=cfg.nesterov, guard=guard)

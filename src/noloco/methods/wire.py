@@ -32,8 +32,8 @@ def exchange_message_bytes(numel: int, element_size: int = 4, quantize: str = "n
 
 
 def sync_bytes(method: str, numel: int, replicas: int, *, element_size: int = 4,
-               group_size: int = 2, quantize: str = "none", gamma_differs: bool = False
-               ) -> int:
+               group_size: int = 2, quantize: str = "none", gamma_differs: bool = False,
+               compress: str = "topk:0.02:2") -> int:
     """Bytes one replica's worker sends in one synchronisation of ``numel`` values."""
     if replicas <= 1 or method == "single":
         return 0
@@ -41,6 +41,11 @@ def sync_bytes(method: str, numel: int, replicas: int, *, element_size: int = 4,
         peers = min(group_size, replicas) - 1
         return peers * exchange_message_bytes(numel, element_size, quantize,
                                               slow_weights=gamma_differs)
+    if method == "sparseloco":  # an all-gather: one message to each other replica
+        from noloco import sparse
+
+        fraction, bits = sparse.parse(compress)
+        return (replicas - 1) * sparse.wire_bytes(numel, fraction, bits)
     if method == "ddp" or quantize == "none":
         return ring_all_reduce_bytes(numel * element_size, replicas)
     if method in ("diloco", "streaming"):
