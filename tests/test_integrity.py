@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import free_port
 from run_utils import SMALL
 
 from noloco.faults import parse_faults
@@ -93,7 +93,7 @@ def test_the_first_outcome_names_whom_every_member_retries_without():
     from noloco.elastic.communicator import ElasticCommunicator
     from noloco.elastic.membership import Membership
 
-    server = dist.TCPStore("127.0.0.1", _free_port(), None, True, timedelta(seconds=20),
+    server = dist.TCPStore("127.0.0.1", free_port(), None, True, timedelta(seconds=20),
                            wait_for_workers=False)
     store = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=20))
     comms = [ElasticCommunicator(Membership(store, r, 3, 5.0), 5.0) for r in range(3)]
@@ -111,15 +111,9 @@ def test_tamper_is_a_fault():
     assert (f.kind, f.replica, f.step) == ("tamper", 1, 20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, name: str, shakespeare: Path, *args: str, steps: int = 60) -> dict:
     """4 elastic replicas at a coordinator with the run secret (the suite's NOLOCO_SECRET)."""
-    port = _free_port()
+    port = free_port()
     coord = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host",
                               "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
