@@ -370,6 +370,33 @@ def test_predict_overrides_and_quantisation(tmp_path) -> None:
     assert diloco.seconds_per_sync == pytest.approx(2 * 7 / 8 * 4e6 * 8 / 1e9)
 
 
+def test_predict_sparse_exchanges_by_hand(tmp_path) -> None:
+    """SparseLoCo's message is all-gathered: (N - 1) messages per replica and N - 1 latency
+    terms; a diloco run's own --compress is predicted the same way, a noloco run's as one
+    message to its partner."""
+    from noloco import sparse
+
+    msg = sparse.wire_bytes(10**6, 0.02, 2)  # the default topk:0.02:2 of 1e6 values
+    pred = predict_run(_fake_run(tmp_path, method="diloco"), "100Mbit", "10ms",
+                       methods=("sparseloco", "diloco"))
+    sp, dl = pred.methods
+    assert sp.sync_events == 4 and sp.sync_every == 50
+    assert sp.seconds_per_sync == pytest.approx(3 * (msg * 8 / 1e8 + 0.01))
+    assert sp.bytes_sent_per_replica == pytest.approx(4 * 3 * msg)
+    assert sp.wire_bits == pytest.approx(8 * msg / 10**6) and sp.wire_bits < 0.4
+    assert dl.bytes_sent_per_replica == pytest.approx(4 * 1.5 * 4e6)  # the run's own: dense
+    assert predict_sync_seconds("sparseloco", 4, 1e6, 1e8, 0.01) == pytest.approx(
+        3 * (0.08 + 0.01))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"method": {"compress": "topk:0.1:4", "group_size": 2}}))
+    own = predict_run(str(tmp_path), "100Mbit", "10ms", methods=("diloco", "noloco"))
+    dl, nl = own.methods
+    assert dl.bytes_sent_per_replica == pytest.approx(4 * 3 * sparse.wire_bytes(10**6, 0.1, 4))
+    assert dl.seconds_per_sync == pytest.approx(3 * (sparse.wire_bytes(10**6, 0.1, 4) * 8 / 1e8
+                                                     + 0.01))
+    assert nl.bytes_sent_per_replica == pytest.approx(4 * 4e6)  # not the run's method: dense
+
+
 def test_predict_pipeline_stages_split_the_payload(tmp_path) -> None:
     pred = predict_run(_fake_run(tmp_path, stages=2), "1Gbit", 0, methods=("diloco",))
     assert pred.methods[0].payload_bytes == pytest.approx(2e6)

@@ -26,6 +26,11 @@ CASES = {
     # the error feedback buffer is in the checkpoint
     "sparseloco": (["--method", "sparseloco", "--replicas", "2", "--sync-every", "3",
                     "--compress", "topk:0.05:2"], 6, 3),
+    # sparse gossip, two fragments, τ = 1: the pulled chunks of a sync in flight, and every
+    # fragment's error feedback
+    "noloco-sparse": (["--method", "noloco", "--replicas", "2", "--sync-every", "4",
+                       "--fragments", "2", "--overlap-steps", "1", "--compress", "topk:0.05:2"],
+                      4, 2),
     # τ = 1: fragment 0's sync starts after step 4, the checkpoint's step, and lands at 5.
     "streaming": (["--method", "streaming", "--replicas", "2", "--sync-every", "4",
                    "--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"], 4, 2),

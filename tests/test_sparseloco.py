@@ -56,7 +56,12 @@ def test_sparse_messages_train_and_are_counted_as_sent(tmp_path, shakespeare):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--method", "diloco", "--compress", "topk:0.1"], "--compress applies to"),
+    (["--method", "ddp", "--compress", "topk:0.1"], "--compress applies to"),
+    (["--method", "streaming", "--quantize", "fp4", "--compress", "topk:0.1"],
+     "two encodings"),
+    (["--method", "noloco", "--elastic", "--compress", "topk:0.1"], "not elastic"),
+    (["--method", "diloco", "--compress", "topk:0.1:5"], "bits must be one of"),
+    (["--method", "diloco", "--compress", "topk:0"], "fraction"),
     (["--method", "sparseloco", "--compress", "topk:2"], "fraction"),
     (["--method", "sparseloco", "--compress", "top:0.1"], "expected topk"),
     (["--method", "sparseloco", "--outer-momentum", "0.9"], "no --outer-momentum"),

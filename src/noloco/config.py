@@ -22,6 +22,8 @@ from typing import Any
 from noloco.errors import ConfigError as ConfigError  # re-exported: its home is noloco.errors
 
 METHODS = ("single", "ddp", "diloco", "noloco", "streaming", "sparseloco")
+COMPRESSED_METHODS = ("sparseloco", "diloco", "streaming", "noloco")
+"""the methods that take --compress topk:F[:BITS]"""
 ROUTINGS = ("random", "fixed")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 QUANT_FORMATS = ("none", "fp4", "int8", "fp8")
@@ -114,12 +116,13 @@ class MethodConfig:
     )
     quantize: str = opt("none", "format of exchanged outer gradients: " + ", ".join(QUANT_FORMATS))
     compress: str | None = opt(
-        None, "sparseloco: what each replica sends of its error-feedback buffer, "
-        "topk:FRACTION[:BITS] — the FRACTION largest entries of every chunk of 4096, their "
-        "values in BITS (2, 3, 4, 8 or 32; default 32) (default topk:0.02:2)")
-    ef_decay: float = opt(
-        0.95, "sparseloco: the error feedback's decay beta (e <- beta*e + delta), which takes "
-        "the place of outer momentum")
+        None, "sparseloco, diloco, streaming, noloco: send each replica's error-feedback "
+        "buffer sparse, topk:FRACTION[:BITS] — the FRACTION largest entries of every chunk of "
+        "4096, their values in BITS (2, 3, 4, 8 or 32; default 32) (sparseloco's default "
+        "topk:0.02:2; the others: dense)")
+    ef_decay: float | None = opt(
+        None, "with --compress: the error feedback's decay (e <- decay*e + delta; sparseloco "
+        "0.95, where it takes the place of outer momentum; the others 1.0)")
     routing: str = opt("random", "pipeline routing between stages in training: random or fixed")
     microbatches: int = opt(0, "pipeline microbatches per step (0: 2 x stages, at most the "
                             "batch size; see docs/pipeline.md)")
@@ -273,6 +276,8 @@ class Config:
         if m.method == "sparseloco":
             m.outer_lr = 1.0 if m.outer_lr is None else m.outer_lr
             m.compress = m.compress or "topk:0.02:2"
+        if m.ef_decay is None:
+            m.ef_decay = 0.95 if m.method == "sparseloco" else 1.0
         if m.outer_momentum is None and m.method in ("diloco", "noloco", "streaming"):
             m.outer_momentum = 0.5 if m.method == "noloco" else 0.9
         if m.gamma is None and m.method == "noloco":
@@ -348,15 +353,23 @@ class Config:
         if o.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {o.warmup}")
         if m.compress is not None:
-            if m.method != "sparseloco":
-                raise ConfigError("--compress applies to --method sparseloco only")
+            if m.method not in COMPRESSED_METHODS:
+                raise ConfigError(f"--compress applies to --method "
+                                  f"{', '.join(COMPRESSED_METHODS)}, not {m.method}")
+            if m.quantize != "none":
+                raise ConfigError(f"--compress and --quantize {m.quantize} are two encodings "
+                                  f"of one exchange: choose one")
+            if m.elastic:
+                raise ConfigError("--compress is not elastic yet (an elastic run all-gathers "
+                                  "nothing, and a joiner would inherit its donor's unsent "
+                                  "error feedback)")
             from noloco.sparse import parse
 
             try:
                 parse(m.compress)
             except ValueError as e:
                 raise ConfigError(f"--compress {m.compress}: {e}") from None
-        if not 0.0 <= m.ef_decay <= 1.0:
+        if m.ef_decay is not None and not 0.0 <= m.ef_decay <= 1.0:
             raise ConfigError(f"--ef-decay must lie in [0, 1], got {m.ef_decay}")
         if m.method == "sparseloco" and (m.elastic or m.outer_momentum is not None):
             raise ConfigError("--method sparseloco takes no --outer-momentum (its error feedback "

@@ -200,3 +200,45 @@ class ErrorFeedback:
         msg = compress(self.error, self.fraction, self.bits, self.chunk)
         self.error.sub_(decompress(msg))
         return msg
+
+
+class Compressor:
+    """One replica's compressed exchange of its fragments: the ``topk:F[:BITS]`` setting and
+    an error-feedback buffer per fragment (sizes ``sizes``)."""
+
+    def __init__(self, spec: str, sizes: list[int], decay: float = 1.0,
+                 chunk: int = DEFAULT_CHUNK, device: torch.device | str = "cpu") -> None:
+        if not 0 <= decay <= 1:
+            raise ValueError(f"the error feedback's decay must lie in [0, 1], got {decay}")
+        self.fraction, self.bits = parse(spec)
+        self.decay, self.chunk = decay, chunk
+        self.feedback = [ErrorFeedback(n, self.fraction, self.bits, decay, chunk, device)
+                         for n in sizes]
+
+    @property
+    def spec(self) -> str:
+        return f"topk:{self.fraction:g}:{self.bits}"
+
+    @property
+    def errors(self) -> list[torch.Tensor]:
+        """e of every fragment (live tensors: a checkpoint copies into them)."""
+        return [fb.error for fb in self.feedback]
+
+    def message_bytes(self, numel: int) -> int:
+        return wire_bytes(numel, self.fraction, self.bits, self.chunk)
+
+    def encode(self, fragment: int, delta: torch.Tensor) -> torch.Tensor:
+        """Fold ``delta`` into the fragment's buffer; the packed message of what goes."""
+        return to_bytes(self.feedback[fragment].message(delta))
+
+    def decode(self, data: torch.Tensor, numel: int) -> torch.Tensor:
+        """A message back to a dense flat fp32 tensor (``ValueError`` if it is malformed)."""
+        return decompress(from_bytes(data, numel, self.fraction, self.bits, self.chunk))
+
+    def mean(self, messages: list[torch.Tensor], numel: int) -> torch.Tensor:
+        """The mean of the decoded ``messages``, summed in the order given (so every replica
+        that sums the same messages in the same order gets the same bits)."""
+        total = torch.zeros(numel, dtype=torch.float32, device=messages[0].device)
+        for m in messages:
+            total += self.decode(m, numel)
+        return total.div_(len(messages))

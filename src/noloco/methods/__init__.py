@@ -40,13 +40,14 @@ def build_method(cfg: MethodConfig,
             fragments=cfg.fragments, fragment_pattern=cfg.fragment_pattern,
             overlap_steps=cfg.overlap_steps, merge_alpha=cfg.merge_alpha,
             quantize=cfg.quantize, outer_lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-            nesterov=cfg.nesterov, guard=guard)
+            nesterov=cfg.nesterov, compress=cfg.compress, ef_decay=_ef_decay(cfg), guard=guard)
     if cfg.method == "noloco":
         return NoLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       momentum=cfg.outer_momentum, gamma=cfg.gamma, group_size=cfg.group_size,
                       seed=seed, n_layers=n_layers, fragments=cfg.fragments,
                       fragment_pattern=cfg.fragment_pattern, overlap_steps=cfg.overlap_steps,
-                      merge_alpha=cfg.merge_alpha, quantize=cfg.quantize, guard=guard)
+                      merge_alpha=cfg.merge_alpha, quantize=cfg.quantize,
+                      compress=cfg.compress, ef_decay=_ef_decay(cfg), guard=guard)
     if not isinstance(model, nn.Module):
         model = [x[1] if isinstance(x, tuple) else x for x in model]
     if cfg.method == "single":
@@ -57,8 +58,17 @@ def build_method(cfg: MethodConfig,
         return DDP(model, comm, overlap=cfg.stages == 1 and backward_passes == 1)
     if cfg.method == "sparseloco":
         return SparseLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
-                          decay=cfg.ef_decay, compress=cfg.compress, guard=guard)
+                          decay=_ef_decay(cfg), compress=cfg.compress or "topk:0.02:2",
+                          guard=guard)
     if cfg.method == "diloco":
         return DiLoCo(model, comm, sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
-                      momentum=cfg.outer_momentum, nesterov=cfg.nesterov, guard=guard)
+                      momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
+                      compress=cfg.compress, ef_decay=_ef_decay(cfg), guard=guard)
     raise ValueError(f"method {cfg.method!r} is not available")
+
+
+def _ef_decay(cfg: MethodConfig) -> float:
+    """The resolved --ef-decay (a config built by hand may leave it unset)."""
+    if cfg.ef_decay is not None:
+        return cfg.ef_decay
+    return 0.95 if cfg.method == "sparseloco" else 1.0

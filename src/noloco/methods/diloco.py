@@ -14,8 +14,19 @@ and the rest belong to the engine (:mod:`noloco.methods.engine`); Streaming DiLo
 (:mod:`noloco.methods.streaming`) is this class with its fragments, overlap and quantisation
 switched on.
 
+Compressed (``compress="topk:F:BITS"``, this project's option, issue 25): instead of the
+dense all-reduce every replica folds its outer gradient Δ = φ − θ into an error-feedback
+buffer e ← β_e·e + Δ and sends only e's chunk-wise top-k, quantised (:mod:`noloco.sparse`);
+what it did not send stays in e. Sparse messages have different supports and cannot be
+summed inside an all-reduce: they are all-gathered, decoded and summed in rank order on
+every replica, so φ stays identical everywhere, and g is their mean. The outer step is
+unchanged (Nesterov momentum); SparseLoCo (:mod:`noloco.methods.sparseloco`) is this with
+the momentum taken out. Bytes sent per replica: (N − 1) × the message, growing with N.
+``topk:1.0:32`` sends every entry exactly, e stays zero, and the method equals the
+uncompressed one up to float rounding (the mean of φ − θ instead of φ − the mean of θ).
+
 Paper symbol → argument: H → ``sync_every``; outer learning rate → ``outer_lr``; outer
-momentum μ → ``momentum``; Nesterov → ``nesterov``.
+momentum μ → ``momentum``; Nesterov → ``nesterov``; error-feedback decay → ``ef_decay``.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from typing import Any
 
 import torch
 
+from noloco import sparse
 from noloco.comm import Communicator
 from noloco.guard import UpdateGuard, all_finite, distance
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
@@ -36,6 +48,8 @@ class DiLoCo(OuterSync):
 
     def __init__(self, model: ModelLike, comm: Communicator, *, sync_every: int = 100,
                  outer_lr: float = 0.7, momentum: float = 0.9, nesterov: bool = True,
+                 compress: str | None = None, ef_decay: float = 1.0,
+                 chunk: int = sparse.DEFAULT_CHUNK,
                  guard: UpdateGuard | None = None, **streaming: Any) -> None:
         if sync_every < 1:
             raise ValueError(f"sync_every (H) must be >= 1, got {sync_every}")
@@ -49,6 +63,8 @@ class DiLoCo(OuterSync):
 
         super().__init__(model, comm, sync_every=sync_every, outer_optimizer=outer, guard=guard,
                          **streaming)
+        if compress is not None:
+            self.compress_with(compress, ef_decay, chunk)
 
     def communicate(self, frag: Fragment, t: int) -> Sync | None:
         """All replicas average the fragment's fast weights θ — or, quantised, each one's
@@ -58,6 +74,13 @@ class DiLoCo(OuterSync):
             return None
         fast = frag.fast()
         own_bad = self._guard_own(frag, fast)
+        if self.compress is not None:
+            delta = frag.slow() - fast
+            if own_bad:  # nothing of a bad update enters the buffer or the message
+                delta.zero_()
+            payload = self.compress.encode(frag.index, delta)
+            return Sync(frag.index, t + self.tau, payload, self.comm.all_gather_async(payload),
+                        own_bad=own_bad)
         if self.quantize == "none":
             # A bad update is replaced by φ itself: a zero outer gradient in the mean.
             payload = fast.copy_(frag.slow()) if own_bad else fast
@@ -81,7 +104,10 @@ class DiLoCo(OuterSync):
         return why is not None
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
-        """g = φ − mean θ (the all-reduce left its mean in the payload)."""
+        """g = φ − mean θ (the all-reduce left its mean in the payload); compressed, the mean
+        of the replicas' decoded messages, summed in rank order (the same bits everywhere)."""
+        if self.compress is not None:
+            return self.compress.mean(received, frag.numel())
         if self.quantize != "none":
             return sync.payload  # already the mean of φ − θ
         return frag.slow() - sync.payload

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from noloco import quant
+from noloco import quant, sparse
 from noloco.comm import SKIPPED, Communicator, Pending, flatten
 from noloco.guard import UpdateGuard
 from noloco.methods.base import Method
@@ -219,9 +219,24 @@ class OuterSync(Method, ABC):
                 self.phi[i], self.frag_of[i] = phi, frag.index
         self.guard = guard
         """checks updates before they are used or contributed (:mod:`noloco.guard`)"""
+        self.compress: sparse.Compressor | None = None
+        """the sparse exchange's setting and error feedback (:meth:`compress_with`)"""
         self.inflight: list[Sync] = []
         self.wait_seconds: list[float] = []
         """seconds blocked in each sync's wait, in application order"""
+
+    def compress_with(self, spec: str, ef_decay: float = 1.0,
+                      chunk: int = sparse.DEFAULT_CHUNK) -> None:
+        """Send sparse messages (``topk:F[:BITS]``) with an error-feedback buffer per
+        fragment, e, checkpointed (so a resume is bit-exact); each method decides what it
+        folds in and how the messages travel."""
+        if self.quantize != "none":
+            raise ValueError("compress and quantize are two encodings of one exchange: "
+                             "choose one")
+        self.compress = sparse.Compressor(spec, [f.numel() for f in self.frags], ef_decay,
+                                          chunk, self.frags[0].flat_phi.device)
+        self.errors = self.compress.errors
+        self.extra_state = (*self.extra_state, "errors")
 
     # ---- what a method fills in -------------------------------------------------------------
     @abstractmethod
@@ -363,7 +378,9 @@ class OuterSync(Method, ABC):
         return {"fragments": self.P, "fragment_numel": self.fragment_numel(),
                 "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
                 "quantize": self.quantize,
-                "update_guard": self.guard.report() if self.guard is not None else None}
+                "update_guard": self.guard.report() if self.guard is not None else None,
+                **({"compress": c.spec, "ef_decay": c.decay, "chunk": c.chunk}
+                   if (c := self.compress) is not None else {})}
 
 
 def encode(x: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -20,6 +20,16 @@ overlap, the e-th fragment exchange using ``groups_at(e)``; quantised, a member 
 the chosen format and φ_j − φ⁰ in int8 (φ⁰: the identical starting weights), and every member
 uses the decoded values, so all compute the same means and the pull sums to zero over G.
 
+Sparse gossip (``compress="topk:F:BITS"``, this project's extension, issue 25; docs/methods.md
+has what it costs): a member sends its Δ_j through an error-feedback buffer as a chunk-wise
+top-k (:mod:`noloco.sparse`), and its slow weights φ_j only on a few *pulled* chunks — the
+same ``max(1, round(F·chunks))`` chunks of 4096 for every member of the exchange, drawn from
+(seed, e), so no index travels — in fp32. The update is the one above with mean_G Δ̂ for
+mean_G Δ and the pull γ·(φ_i − mean_G φ) applied on the pulled chunks only. Both members use
+the same decoded Δ̂ and the same exact φ values, so the pull still sums to zero over G and
+the replicas' mean φ moves only by the mean of what was sent; what the pull no longer does
+on every coordinate at every exchange is what the weight spread pays.
+
 Paper symbol → argument: H → ``sync_every``; n → ``group_size``; α → ``momentum`` (0.5);
 β → ``outer_lr`` (0.7); γ → ``gamma`` (default β).
 """
@@ -34,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from noloco import quant
+from noloco import quant, sparse
 from noloco.comm import Communicator, flatten
 from noloco.guard import UpdateGuard, all_finite, distance
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync, decode, encode
@@ -84,7 +94,8 @@ class NoLoCo(OuterSync):
 
     def __init__(self, model: ModelLike, comm: Communicator, *, sync_every: int = 50,
                  outer_lr: float = 0.7, momentum: float = 0.5, gamma: float | None = None,
-                 group_size: int = 2, seed: int = 0, guard: UpdateGuard | None = None,
+                 group_size: int = 2, seed: int = 0, compress: str | None = None,
+                 ef_decay: float = 1.0, guard: UpdateGuard | None = None,
                  **streaming: Any) -> None:
         n = comm.size
         group_size = 1 if n == 1 else group_size
@@ -107,6 +118,9 @@ class NoLoCo(OuterSync):
         self.start = [p.clone() for p in self.phi] if self.quantize != "none" else None
         self.exchanges = 0
         """fragment exchanges started so far (e); the next one's groups are groups_at(e)"""
+        if compress is not None:
+            self.compress_with(compress, ef_decay)
+            self.exchanges_slow_weights = True
         self.last_group: list[int] = []
 
     @property
@@ -130,7 +144,12 @@ class NoLoCo(OuterSync):
             group = next((g for g in groups if self.comm.rank in g), [self.comm.rank])
         self.exchanges += 1
         fast, slow = frag.fast(), frag.slow()
-        if self.quantize != "none":
+        pulled: list[int] = []
+        if self.compress is not None:
+            pulled = self.pulled_chunks(self.exchanges - 1, frag.numel())
+            payload = torch.cat([self.compress.encode(frag.index, fast - slow),
+                                 self._chunks(slow, pulled).view(torch.uint8)])
+        elif self.quantize != "none":
             payload = torch.cat([encode(fast - slow, self.quantize),
                                  encode(slow - self._ref(frag), SLOW_FORMAT)])
         else:
@@ -139,7 +158,7 @@ class NoLoCo(OuterSync):
         pending = self.comm.exchange_async(payload, peers,
                                            frag.receive_buffers(payload, len(peers)))
         return Sync(frag.index, t + self.tau, payload, pending,
-                    extra=(group, peers, fast.numel(), self.comm.rank))
+                    extra=(group, peers, fast.numel(), self.comm.rank, pulled))
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
         """g = γ·(φ_i − mean_G φ) − β·mean_G Δ, every mean summed in group order so every
@@ -159,6 +178,8 @@ class NoLoCo(OuterSync):
         self.last_group = group
         if not msgs:  # its own update rejected and no partner's accepted: φ stays
             return torch.zeros_like(frag.slow())
+        if self.compress is not None:
+            return self._sparse_gradient(frag, msgs, group, me, n, sync.extra[4])
         if self.quantize != "none":
             split, ref = quant.wire_bytes(n, self.quantize), self._ref(frag)
             deltas = torch.stack([decode(m[:split], n, self.quantize) for m in msgs])
@@ -171,8 +192,51 @@ class NoLoCo(OuterSync):
         mean_fast, mean_slow = mean[:n], mean[n:]
         return self.gamma * (frag.slow() - mean_slow) - self.beta * (mean_fast - mean_slow)
 
+    # ---- sparse gossip ------------------------------------------------------------------------
+    def pulled_chunks(self, exchange: int, numel: int) -> list[int]:
+        """The chunks whose slow weights exchange ``exchange`` pulls together: the same on
+        every member (drawn from the seed and the exchange alone)."""
+        assert self.compress is not None
+        c = sparse.num_chunks(numel, self.compress.chunk)
+        k = min(c, max(1, round(self.compress.fraction * c)))
+        rng = np.random.default_rng([self.seed, exchange, 0x70756C6C])
+        return sorted(int(i) for i in rng.choice(c, size=k, replace=False))
+
+    def _chunks(self, flat: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+        """The values of ``chunks`` of ``flat``, each a full chunk (the last one zero-padded)."""
+        assert self.compress is not None
+        size = self.compress.chunk
+        padded = torch.zeros(sparse.num_chunks(flat.numel(), size) * size,
+                             dtype=torch.float32, device=flat.device)
+        padded[:flat.numel()] = flat
+        return padded.view(-1, size)[chunks].reshape(-1)
+
+    def _split(self, msg: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sparse-gossip message: (the packed Δ̂, the pulled chunks' φ as fp32)."""
+        assert self.compress is not None
+        cut = self.compress.message_bytes(n)
+        return msg[:cut], msg[cut:].clone().view(torch.float32)
+
+    def _sparse_gradient(self, frag: Fragment, msgs: list[torch.Tensor], group: list[int],
+                         me: int, n: int, pulled: list[int]) -> torch.Tensor:
+        """g = γ·(φ_i − mean_G φ) on the pulled chunks − β·mean_G Δ̂."""
+        assert self.compress is not None
+        parts = [self._split(m, n) for m in msgs]
+        g = self.compress.mean([p[0] for p in parts], n).mul_(-self.beta)
+        slows = torch.stack([p[1] for p in parts])
+        mine = slows[group.index(me)] if me in group else self._chunks(frag.slow(), pulled)
+        pull = (self.gamma * (mine - slows.mean(0))).view(len(pulled), -1)
+        size = self.compress.chunk
+        for row, c in zip(pull, pulled, strict=True):
+            end = min((c + 1) * size, n)
+            g[c * size:end] += row[:end - c * size]
+        return g
+
     def _fast_of(self, frag: Fragment, msg: torch.Tensor, n: int) -> torch.Tensor:
-        """The fast weights θ a member's message carries (decoded when quantised)."""
+        """The fast weights θ a member's message carries (decoded when quantised; sparse, this
+        replica's φ plus the member's Δ̂)."""
+        if self.compress is not None:
+            return frag.slow() + self.compress.decode(self._split(msg, n)[0], n)
         if self.quantize != "none":
             split = quant.wire_bytes(n, self.quantize)
             return (self._ref(frag) + decode(msg[split:], n, SLOW_FORMAT)

@@ -23,6 +23,10 @@ Quantisation
     communicator's reduce-scatter / all-gather on encoded bytes
     (:meth:`noloco.comm.Communicator.all_reduce_mean_quantized_async`): about
     2·(N−1)/N·(S_p/8 + scales) bytes per replica for FP4 (E3M0), summed in fp32.
+Compression (``compress``, instead of quantisation)
+    Each fragment's outer gradient goes through its own error-feedback buffer and is sent as
+    a chunk-wise top-k, all-gathered (DiLoCo's compressed exchange, :mod:`noloco.methods.
+    diloco`).
 
 Paper symbol → argument: H → ``sync_every``; P → ``fragments``; τ → ``overlap_steps``;
 α (merge) → ``merge_alpha``; outer lr → ``outer_lr``; outer momentum → ``momentum``
@@ -53,10 +57,11 @@ class StreamingDiLoCo(DiLoCo):
                  n_layers: int | None = None, sync_every: int = 100, fragments: int = 1,
                  fragment_pattern: str = "strided", overlap_steps: int = 0,
                  merge_alpha: float = 0.5, quantize: str = "none", outer_lr: float = 0.7,
-                 momentum: float = 0.9, nesterov: bool = True,
-                 guard: UpdateGuard | None = None) -> None:
+                 momentum: float = 0.9, nesterov: bool = True, compress: str | None = None,
+                 ef_decay: float = 1.0, guard: UpdateGuard | None = None) -> None:
         super().__init__(model_or_named_params, comm, sync_every=sync_every,
                          outer_lr=outer_lr, momentum=momentum, nesterov=nesterov,
+                         compress=compress, ef_decay=ef_decay,
                          fragments=fragments, fragment_pattern=fragment_pattern,
                          overlap_steps=overlap_steps, merge_alpha=merge_alpha,
                          quantize=quantize, n_layers=n_layers, guard=guard)

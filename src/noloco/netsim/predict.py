@@ -21,7 +21,10 @@ P1. Bytes are the methods' own: :func:`noloco.methods.wire.sync_bytes`, the func
     run's own ``activation_bytes`` (``noloco report`` shows them with the precision).
 P2. All-reduce (ddp, diloco, streaming) = ring all-reduce over the N replicas:
     ``2 (N - 1) / N * S`` bytes through each worker's link and 2 (N - 1) latency terms (a
-    DDP step: one such all-reduce per bucket).
+    DDP step: one such all-reduce per bucket). A compressed exchange (sparseloco, and a
+    diloco or streaming run's own ``--compress``) is an all-gather of every replica's sparse
+    message of S bytes: ``(N - 1) * S`` bytes through each worker's link, growing with N, and
+    N - 1 latency terms (a ring's steps).
 P3. NoLoCo group exchange: every member sends its S bytes to each of the other n - 1 members
     of its group, all at once on a full-duplex link: ``(n - 1) * S`` bytes and one latency term
     by default (``pair_latency_terms=2`` gives the paper's 2 t_c count).
@@ -49,10 +52,13 @@ from typing import Any
 
 from noloco.netsim.latency import NetsimError
 
-METHODS = ("ddp", "diloco", "noloco", "streaming")
+METHODS = ("ddp", "diloco", "noloco", "streaming", "sparseloco")
 """Methods predicted by default (``single`` has nothing to synchronise)."""
 
-DEFAULT_SYNC_EVERY = {"diloco": 100, "noloco": 50, "streaming": 50}
+DEFAULT_SYNC_EVERY = {"diloco": 100, "noloco": 50, "streaming": 50, "sparseloco": 50}
+
+SPARSELOCO_COMPRESS = "topk:0.02:2"
+"""sparseloco's message when the run is not a sparseloco run (its default)"""
 """H when the run itself has none (the package's defaults, SPEC §2-§4)."""
 
 
@@ -124,6 +130,8 @@ def predict_sync_seconds(
     - ddp, diloco, streaming (one all-reduce or one fragment's all-reduce):
       ``2 (n - 1) / n * S * 8 / B + 2 (n - 1) * latency``;
     - noloco (one group exchange, group size g): ``(g - 1) * S * 8 / B + terms * latency``;
+    - sparseloco (one all-gather of messages of S bytes):
+      ``(n - 1) * S * 8 / B + (n - 1) * latency``;
     - single, or n = 1: 0.
     """
     if method not in (*METHODS, "single"):
@@ -135,6 +143,8 @@ def predict_sync_seconds(
     if method == "noloco":
         g = min(group_size, n)
         return (g - 1) * payload_bytes * 8 / bandwidth_bps + pair_latency_terms * latency_s
+    if method == "sparseloco":
+        return (n - 1) * (payload_bytes * 8 / bandwidth_bps + latency_s)
     return ring_allreduce_bytes(n, payload_bytes) * 8 / bandwidth_bps + 2 * (n - 1) * latency_s
 
 
@@ -162,6 +172,8 @@ class RunInfo:
     fragments: int
     overlap_steps: int
     quantize: str
+    compress: str | None = None
+    """the run's ``--compress`` (sparse messages, all-gathered or gossiped)"""
     fragment_pattern: str = "strided"
     gamma_differs: bool = False
     """NoLoCo with γ ≠ β sends its slow weights too"""
@@ -225,6 +237,7 @@ def load_run(run_dir: str | Path) -> RunInfo:
         fragments=int(mcfg.get("fragments") or 1),
         overlap_steps=int(mcfg.get("overlap_steps") or 0),
         quantize=str(mcfg.get("quantize") or "none"),
+        compress=mcfg.get("compress") or None,
         fragment_pattern=str(mcfg.get("fragment_pattern") or "strided"),
         gamma_differs=(mcfg.get("gamma") is not None and mcfg.get("outer_lr") is not None
                        and mcfg["gamma"] != mcfg["outer_lr"]),
@@ -346,6 +359,7 @@ def _predict_method(
     steps, T = run.steps, run.step_seconds
     own = method == run.method  # the run's fragments/tau/quantize belong to its method
     quantize, gamma_differs = "none", False
+    compress = SPARSELOCO_COMPRESS if method == "sparseloco" else None
     if method == "ddp":
         h, p, tau = None, 1, 0
     else:
@@ -361,21 +375,27 @@ def _predict_method(
         if own:
             quantize = run.quantize if method in ("noloco", "streaming") else "none"
             gamma_differs = run.gamma_differs and method == "noloco"
+            compress = run.compress or compress
     element_size = max(1, round(run.trained_bits / 8))
     units = _stage_units(run, method, p)
+
+    gathered = compress is not None and method != "noloco"  # an all-gather (P2)
 
     def unit_bytes(numel: int) -> float:
         """One worker's bytes for one unit (the methods' own accounting, P2/P3)."""
         if numel == 0:
             return 0.0
+        if wire_bits is not None and gathered:  # every value of the message at wire_bits
+            return (n - 1) * numel * wire_bits / 8
         if wire_bits is not None:  # an override: that many bits per value, no framing
             return sync_bytes(method, numel, n, element_size=1, group_size=run.group_size,
                               gamma_differs=gamma_differs) * wire_bits / 8
         return float(sync_bytes(method, numel, n, element_size=element_size,
                                 group_size=run.group_size, quantize=quantize,
-                                gamma_differs=gamma_differs))
+                                gamma_differs=gamma_differs, compress=compress))
 
-    lat = (pair_latency_terms if method == "noloco" else 2 * (n - 1)) * latency_s
+    terms = pair_latency_terms if method == "noloco" else (n - 1) * (1 if gathered else 2)
+    lat = terms * latency_s
 
     def seconds(nbytes: float) -> float:
         return nbytes * 8 / bandwidth_bps + lat if nbytes > 0 else 0.0
@@ -407,7 +427,13 @@ def _predict_method(
     if wire_bits is not None:
         bits = float(wire_bits)
     elif method == "noloco":
-        bits = 8 * exchange_message_bytes(values, element_size, quantize, gamma_differs) / values
+        bits = 8 * exchange_message_bytes(values, element_size, quantize, gamma_differs,
+                                          compress) / values
+    elif gathered:
+        from noloco import sparse
+
+        fraction, nbits = sparse.parse(compress or SPARSELOCO_COMPRESS)
+        bits = 8 * sparse.wire_bytes(values, fraction, nbits) / values
     elif quantize != "none":
         bits = 8 * quant.wire_bytes(values, quantize) / values
     else:

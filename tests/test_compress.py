@@ -1,0 +1,200 @@
+"""--compress for DiLoCo, Streaming DiLoCo and NoLoCo (sparse gossip), on real gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from run_utils import summary
+from run_utils import train as cli_train
+
+from noloco import sparse
+from noloco.comm import TorchCommunicator
+from noloco.methods import DiLoCo, NoLoCo, StreamingDiLoCo, groups_at
+from noloco.methods.wire import sync_bytes
+from noloco.model import ModelArgs, build, lm_loss
+from noloco.netsim.predict import predict_run
+
+# about 21k parameters: six chunks of 4096, the last one short
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16)
+H = 2
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, ARGS.vocab_size, (2, 9), generator=g)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
+
+
+def train(method_of, rank: int, steps: int) -> tuple[torch.Tensor, object, list[torch.Tensor]]:
+    """``steps`` AdamW steps under the method; the final weights, the method and φ after each
+    outer step."""
+    torch.manual_seed(0)
+    model = build(ARGS, seed=0)
+    method = method_of(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    slows = []
+    for step in range(steps):
+        tok = batch(rank, step)
+        lm_loss(model(tok[:, :-1]), tok[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        outer = method.outer_steps
+        method.after_inner_step()
+        if method.outer_steps != outer:
+            slows.append(flat(method.phi))
+    method.finish()
+    return flat(model.parameters()), method, slows
+
+
+def _lossless_rank(rank: int, world: int) -> dict[str, float]:
+    """Every method, dense against topk:1.0:32: the largest difference in final weights, and
+    the largest entry left in any error-feedback buffer."""
+    out = {}
+    makers = {
+        "diloco": lambda m, **c: DiLoCo(m, TorchCommunicator(), sync_every=H, **c),
+        "streaming": lambda m, **c: StreamingDiLoCo(
+            m, TorchCommunicator(), n_layers=ARGS.n_layers, sync_every=4, fragments=2,
+            overlap_steps=1, **c),
+        # the sparse message carries φ and Δ: γ ≠ β exchanges the same
+        "noloco": lambda m, **c: NoLoCo(m, TorchCommunicator(), sync_every=H, gamma=0.6,
+                                        n_layers=ARGS.n_layers, **c),
+    }
+    for name, make in makers.items():
+        dense, _, _ = train(make, rank, 8)
+        lossless, method, _ = train(lambda m, make=make: make(
+            m, compress="topk:1.0:32", ef_decay=0.5), rank, 8)
+        out[name] = (dense - lossless).abs().max().item()
+        out[f"{name}_error"] = max(e.abs().max().item() for e in method.errors)
+        out[f"{name}_moved"] = (dense - flat(build(ARGS, seed=0).parameters())).abs().max().item()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_lossless_compressor_equals_the_dense_method():
+    """topk:1.0 at 32 bits sends every entry exactly: DiLoCo, Streaming DiLoCo (fragments,
+    overlap) and NoLoCo end where their dense runs do, to fp32 rounding, and the error
+    feedback stays zero."""
+    for res in run_ranks(_lossless_rank, 4):
+        for name in ("diloco", "streaming", "noloco"):
+            assert res[f"{name}_moved"] > 1e-2  # the runs trained
+            assert res[name] < 2e-6, (name, res[name])
+            assert res[f"{name}_error"] == 0.0
+
+
+def _sparse_rank(rank: int, world: int, spec: str) -> dict:
+    out = {}
+    n_syncs = 4
+    for name, make in {
+        "diloco": lambda m: DiLoCo(m, TorchCommunicator(), sync_every=H, compress=spec),
+        "streaming": lambda m: StreamingDiLoCo(m, TorchCommunicator(), n_layers=ARGS.n_layers,
+                                               sync_every=4, fragments=2, overlap_steps=1,
+                                               compress=spec),
+        "noloco": lambda m: NoLoCo(m, TorchCommunicator(), sync_every=H, momentum=0.0,
+                                   outer_lr=0.7, gamma=0.5, n_layers=ARGS.n_layers,
+                                   compress=spec),
+    }.items():
+        final, method, slows = train(make, rank, H * n_syncs)
+        out[name] = {"slows": slows, "bytes": method.comm.bytes_sent,
+                     "sizes": [f.numel() for f in method.frags],
+                     "syncs": method.fragment_syncs,
+                     "error": max(e.abs().max().item() for e in method.errors),
+                     "ops": dict(method.comm.ops)}
+        if name == "noloco":
+            out[name]["pulled"] = [method.pulled_chunks(e, method.frags[0].numel())
+                                   for e in range(n_syncs)]
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_sparse_exchanges_keep_replicas_consistent_and_count_their_bytes():
+    world, spec = 4, "topk:0.2:4"
+    res = run_ranks(_sparse_rank, world, spec)
+    fraction, bits = sparse.parse(spec)
+    for name in ("diloco", "streaming", "noloco"):
+        for r in res:
+            got = r[name]
+            # what did not go is kept, and every byte that went is counted
+            assert got["error"] > 0
+            expect = sum(s * sync_bytes(name, n, world, compress=spec)
+                         for s, n in zip(got["syncs"], got["sizes"], strict=True))
+            assert got["bytes"] == expect > 0
+            op = "exchange" if name == "noloco" else "all_gather"
+            assert got["ops"].get(op) == sum(got["syncs"]) and "all_reduce" not in got["ops"]
+    # DiLoCo and Streaming: every replica decodes the same messages, so φ stays identical
+    for name in ("diloco", "streaming"):
+        for r in res[1:]:
+            for a, b in zip(r[name]["slows"], res[0][name]["slows"], strict=True):
+                assert torch.equal(a, b)
+    # one message of DiLoCo's at 20% and 4 bits, against its fp32 all-reduce
+    n = res[0]["diloco"]["sizes"][0]
+    assert sync_bytes("diloco", n, world) / sync_bytes("diloco", n, world, compress=spec) > 1.5
+
+    # NoLoCo's sparse gossip: after exchange e, the two members of each pair moved by the
+    # same mean Δ̂, and their pull (γ = 0.5, no momentum) closed half their gap on the pulled
+    # chunks and nothing elsewhere: the pull sums to zero over the pair.
+    size, gamma = sparse.DEFAULT_CHUNK, 0.5
+    numel = res[0]["noloco"]["sizes"][0]
+    mask_of = []
+    for pulled in res[0]["noloco"]["pulled"]:
+        mask = torch.zeros(numel, dtype=torch.bool)
+        for c in pulled:
+            mask[c * size:(c + 1) * size] = True
+        mask_of.append(mask)
+    assert all(r["noloco"]["pulled"] == res[0]["noloco"]["pulled"] for r in res)
+    start = flat(build(ARGS, seed=0).parameters())
+    checked = 0
+    for e in range(1, 4):
+        for i, j in groups_at(e, world, 2):
+            before_i = res[i]["noloco"]["slows"][e - 1]
+            before_j = res[j]["noloco"]["slows"][e - 1]
+            after_i, after_j = res[i]["noloco"]["slows"][e], res[j]["noloco"]["slows"][e]
+            gap, new_gap = before_i - before_j, after_i - after_j
+            m = mask_of[e]
+            torch.testing.assert_close(new_gap[~m], gap[~m], atol=1e-6, rtol=0)
+            torch.testing.assert_close(new_gap[m], (1 - gamma) * gap[m], atol=1e-6, rtol=0)
+            checked += int(gap.abs().max() > 1e-4)
+    assert checked >= 2  # pairs that had drifted apart before their exchange
+    # after the first exchange (equal φ before it) each pair holds one φ
+    for i, j in groups_at(0, world, 2):
+        assert torch.equal(res[i]["noloco"]["slows"][0], res[j]["noloco"]["slows"][0])
+        assert not torch.equal(res[i]["noloco"]["slows"][0], start)
+
+
+def test_pulled_chunks_are_shared_seeded_and_sized():
+    import torch.nn as nn
+
+    from noloco.comm import NullCommunicator
+
+    model = nn.Linear(100, 100)  # 10,100 values: 3 chunks
+    a = NoLoCo(model, NullCommunicator(), compress="topk:0.5:2", seed=3)
+    b = NoLoCo(nn.Linear(100, 100), NullCommunicator(), compress="topk:0.5:2", seed=3)
+    assert a.pulled_chunks(7, 10_100) == b.pulled_chunks(7, 10_100)
+    assert len(a.pulled_chunks(0, 10_100)) == 2  # round(0.5 · 3)
+    draws = {tuple(a.pulled_chunks(e, 10_100)) for e in range(20)}
+    assert len(draws) > 1  # a different draw from one exchange to the next
+    assert all(0 <= c < 3 for d in draws for c in d)
+    tiny = NoLoCo(model, NullCommunicator(), compress="topk:0.01:2")
+    assert len(tiny.pulled_chunks(0, 10_100)) == 1  # never none
+    with pytest.raises(ValueError, match="two encodings"):
+        NoLoCo(model, NullCommunicator(), compress="topk:0.5", quantize="fp4")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flags", [
+    ("--method", "streaming", "--fragments", "2", "--compress", "topk:0.05:4"),
+    ("--method", "noloco", "--compress", "topk:0.02:2"),
+])
+def test_netsim_predicts_a_compressed_runs_bytes_exactly(tmp_path, shakespeare, flags):
+    run = tmp_path / "run"
+    assert cli_train(run, shakespeare, *flags, "--replicas", "2", "--steps", "8",
+                     "--sync-every", "4", "--seq-len", "32", "--eval-every", "8",
+                     "--eval-sequences", "2") == 0
+    s = summary(run)
+    assert s["compress"] == flags[-1] and s["ef_decay"] == 1.0
+    got = predict_run(run, "100Mbit", "10ms", methods=(flags[1],)).methods[0]
+    assert got.bytes_sent_per_replica == s["bytes_sent_per_replica"] > 0
+    assert got.wire_bits < 2
