@@ -153,6 +153,27 @@ def test_frontier_judge_reads_the_targets() -> None:
     assert not frontier.judge(sweep)["both_below_single_at_h_le_20"]
 
 
+def test_frontier_judges_the_sparse_target_at_each_h() -> None:
+    import frontier
+
+    def row(mean: float, mib: float) -> dict:
+        return {"loss": {"mean": mean, "std": 0.01}, "bytes_sent_per_replica": mib * 2**20,
+                "weight_spread": {"mean": 0.0}}
+
+    sp = {"ddp/adamw": row(2.0, 1000)}
+    for h, sparse_loss in ((4, 2.1), (20, 2.3)):
+        sp |= {f"diloco_H{h}/adamw": row(2.2, 200 / h), f"streaming_fp4_H{h}/adamw":
+               row(2.2, 26 / h), f"sparseloco_2pct_H{h}/adamw": row(sparse_loss, 4.6 / h)}
+    t = frontier.judge_sparse(sp)
+    assert set(t) == {"H4/adamw", "H20/adamw"}
+    assert t["H4/adamw"]["met"] and not t["H20/adamw"]["met"]  # 43x, 5.7x; then 4.5% worse
+    assert t["H4/adamw"]["bytes_fewer_than_diloco_fp32"] == pytest.approx(200 / 4.6)
+    assert set(t["H20/adamw"]["rows"]) == {"ddp", "diloco_H20", "streaming_fp4_H20",
+                                           "sparseloco_2pct_H20"}
+    sp["sparseloco_2pct_H4/adamw"] = row(2.1, 200 / 4 / 30)  # only 30x fewer
+    assert not frontier.judge_sparse(sp)["H4/adamw"]["met"]
+
+
 @pytest.mark.timeout(200)
 def test_startup_and_generate_quick_write_records(tmp_path: Path) -> None:
     for script in ("startup.py", "generate.py"):

@@ -198,3 +198,49 @@ def test_netsim_predicts_a_compressed_runs_bytes_exactly(tmp_path, shakespeare, 
     got = predict_run(run, "100Mbit", "10ms", methods=(flags[1],)).methods[0]
     assert got.bytes_sent_per_replica == s["bytes_sent_per_replica"] > 0
     assert got.wire_bits < 2
+
+
+def test_the_guard_keeps_a_bad_update_out_of_the_error_feedback():
+    """NoLoCo's sparse gossip judges its own update before folding it into e: a NaN step is
+    rejected once, e stays finite, and the next exchanges are accepted again."""
+    import torch.nn as nn
+
+    from noloco.comm import NullCommunicator
+    from noloco.guard import UpdateGuard
+
+    torch.manual_seed(0)
+    for make in (lambda m, g: NoLoCo(m, NullCommunicator(), sync_every=1, guard=g,
+                                     compress="topk:0.05:2"),
+                 lambda m, g: DiLoCo(m, NullCommunicator(), sync_every=1, guard=g,
+                                     compress="topk:0.05:2")):
+        model = nn.Linear(64, 64)
+        guard = UpdateGuard()
+        method = make(model, guard)
+        for step in range(8):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+                if step == 2:
+                    model.weight[0, 0] = float("nan")
+            method.after_inner_step()
+            assert all(torch.isfinite(e).all() for e in method.errors), step
+        assert [r["step"] for r in guard.rejected] == [3], guard.rejected
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_error_feedback_lives_on_the_parameters_device_when_a_fragment_is_empty():
+    """A pipeline stage can hold no block of fragment 0 (whose empty φ is a CPU tensor):
+    the buffers go where the parameters are, not where fragment 0's φ is."""
+    from noloco.comm import NullCommunicator
+    from noloco.pipeline import Stage
+
+    # (the meta device stands in for an accelerator: a CPU tensor beside it is as wrong)
+    model = build(ModelArgs(dim=16, n_layers=4, n_heads=2, ffn_dim=32, vocab_size=64,
+                            max_seq_len=16), seed=0).to("meta")
+    stage = Stage(model, 2, 1)  # blocks 2 and 3
+    for make in (DiLoCo, NoLoCo):
+        method = make(list(stage.named_parameters()), NullCommunicator(), sync_every=4,
+                      n_layers=4, fragments=2, fragment_pattern="sequential",
+                      compress="topk:0.1:2")
+        assert method.frags[0].numel() == 0 and method.frags[1].numel() > 0
+        assert {e.device.type for e in method.errors} == {"meta"}

@@ -69,8 +69,9 @@ def test_groups_of_a_snapshot_partition_its_members():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method, streaming", [
     ("noloco", []), ("diloco", []),
-    ("streaming", ["--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"])],
-    ids=["noloco", "diloco", "streaming-fp4"])
+    ("streaming", ["--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"]),
+    ("noloco", ["--compress", "topk:0.02:2"])],
+    ids=["noloco", "diloco", "streaming-fp4", "noloco-sparse"])
 def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespeare, method,
                                                             streaming):
     runs = {}
@@ -94,7 +95,7 @@ def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespear
     op = {"noloco": "exchange", "diloco": "all_reduce", "streaming": "all_reduce_quantized"}
     ops = {json.loads((runs["elastic"] / "metrics" / f"replica-{r}.json").read_text())["ops"]
            .get(op[method]) for r in range(4)}
-    assert ops == {4 * (2 if streaming else 1)}  # every fragment's sync
+    assert ops == {4 * (2 if "--fragments" in streaming else 1)}  # every fragment's sync
     if method == "noloco":  # pairs only: no operation ever involves more than the group
         for r in range(4):
             rs = json.loads((runs["elastic"] / "metrics" / f"replica-{r}.json").read_text())
@@ -153,8 +154,11 @@ def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("streaming", [[], ["--fragments", "2", "--overlap-steps", "1"]],
-                         ids=["whole", "fragments-in-flight"])
+@pytest.mark.parametrize("streaming", [
+    [], ["--fragments", "2", "--overlap-steps", "1"],
+    # sparse gossip: the donor's error feedback stays the donor's (not sent, not checksummed)
+    ["--fragments", "2", "--overlap-steps", "1", "--compress", "topk:0.02:2"]],
+    ids=["whole", "fragments-in-flight", "sparse-fragments-in-flight"])
 def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, shakespeare,
                                                                     streaming):
     """With fragments and overlap the donor's state holds an exchange in flight (fragment 0

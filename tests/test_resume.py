@@ -52,9 +52,15 @@ def test_k_steps_resume_k_more_equals_2k_straight(tmp_path, shakespeare, capfd, 
     first = summary(split)
     assert first["status"] == "completed" and first["steps"] == k
     assert C.complete_steps(split / "checkpoints", first["replicas"] * first["stages"])[0] == k
-    if case == "streaming":  # the checkpoint holds a sync in flight, with its received mean
+    if case in ("streaming", "noloco-sparse"):
+        # the checkpoint holds a sync in flight, with what it received (sparse gossip: and
+        # the chunks it pulls)
         saved = C.read_state(C.verify(split / "checkpoints", k, 0, _hash(split))[0])
         assert [(f, due) for f, due, *_ in saved["method"]["inflight"]] == [(0, k + 1)]
+        if case == "noloco-sparse":
+            extra = saved["method"]["inflight"][0][4]
+            assert len(extra) == 5 and len(extra[4]) >= 1
+            assert any(e.abs().sum() > 0 for e in saved["method"]["extra"]["errors"])
     assert main(["train", "--resume", str(split), "--steps", str(2 * k), "--log-every",
                  "0"]) == 0
     assert f"resuming from checkpoints/step-{k:08d} (step {k})" in capfd.readouterr().err

@@ -59,13 +59,15 @@ def test_sparse_messages_train_and_are_counted_as_sent(tmp_path, shakespeare):
     (["--method", "ddp", "--compress", "topk:0.1"], "--compress applies to"),
     (["--method", "streaming", "--quantize", "fp4", "--compress", "topk:0.1"],
      "two encodings"),
-    (["--method", "noloco", "--elastic", "--compress", "topk:0.1"], "not elastic"),
+    (["--method", "diloco", "--elastic", "--compress", "topk:0.1"],
+     "only noloco's sparse gossip"),
     (["--method", "diloco", "--compress", "topk:0.1:5"], "bits must be one of"),
     (["--method", "diloco", "--compress", "topk:0"], "fraction"),
     (["--method", "sparseloco", "--compress", "topk:2"], "fraction"),
     (["--method", "sparseloco", "--compress", "top:0.1"], "expected topk"),
     (["--method", "sparseloco", "--outer-momentum", "0.9"], "no --outer-momentum"),
     (["--method", "sparseloco", "--ef-decay", "1.5"], "--ef-decay"),
+    (["--method", "diloco", "--ef-decay", "0.9"], "--ef-decay applies to a sparse exchange"),
 ])
 def test_bad_sparse_settings_are_one_line(tmp_path, capfd, argv, msg):
     assert main(["train", "--replicas", "2", *argv, "--out", str(tmp_path / "x")]) == 2

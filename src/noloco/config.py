@@ -276,7 +276,7 @@ class Config:
         if m.method == "sparseloco":
             m.outer_lr = 1.0 if m.outer_lr is None else m.outer_lr
             m.compress = m.compress or "topk:0.02:2"
-        if m.ef_decay is None:
+        if m.ef_decay is None and m.compress is not None:
             m.ef_decay = 0.95 if m.method == "sparseloco" else 1.0
         if m.outer_momentum is None and m.method in ("diloco", "noloco", "streaming"):
             m.outer_momentum = 0.5 if m.method == "noloco" else 0.9
@@ -359,16 +359,19 @@ class Config:
             if m.quantize != "none":
                 raise ConfigError(f"--compress and --quantize {m.quantize} are two encodings "
                                   f"of one exchange: choose one")
-            if m.elastic:
-                raise ConfigError("--compress is not elastic yet (an elastic run all-gathers "
-                                  "nothing, and a joiner would inherit its donor's unsent "
-                                  "error feedback)")
+            if m.elastic and m.method != "noloco":
+                raise ConfigError(f"--compress with --elastic: only noloco's sparse gossip "
+                                  f"(an elastic run has no all-gather for {m.method}'s "
+                                  f"sparse messages)")
             from noloco.sparse import parse
 
             try:
                 parse(m.compress)
             except ValueError as e:
                 raise ConfigError(f"--compress {m.compress}: {e}") from None
+        if m.ef_decay is not None and m.compress is None:
+            raise ConfigError("--ef-decay applies to a sparse exchange: add --compress "
+                              "topk:FRACTION[:BITS] (or use --method sparseloco)")
         if m.ef_decay is not None and not 0.0 <= m.ef_decay <= 1.0:
             raise ConfigError(f"--ef-decay must lie in [0, 1], got {m.ef_decay}")
         if m.method == "sparseloco" and (m.elastic or m.outer_momentum is not None):

@@ -58,6 +58,16 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     return []
 
 
+def shared_state(method: dict[str, Any]) -> dict[str, Any]:
+    """The method state a joiner takes from its donor: all of it but the error feedback of a
+    sparse exchange — what the donor has not sent yet is its own to send, never its
+    joiner's (a joiner starts owing nothing). Saves the bytes of one model, too."""
+    extra = method.get("extra") or {}
+    if "errors" not in extra:
+        return method
+    return {**method, "extra": {k: v for k, v in extra.items() if k != "errors"}}
+
+
 def join_streams(own: dict[str, Any] | None, seed: int, rank: int, step: int) -> None:
     """The random streams of a replica that joins (dropout's, and any other draw from the
     global generators): its own checkpoint's when it has one, else fresh ones keyed by
@@ -105,7 +115,7 @@ class Joining:
         :meth:`_adopt`). Slow weights equal to the fast ones — a DiLoCo replica between its
         outer step and its next inner step — are not sent twice: ``phi_is_model`` names those
         fragments, and the joiner rebuilds them from the model it receives."""
-        method = self.method.state_dict()
+        method = shared_state(self.method.state_dict())
         frags = getattr(self.method, "frags", [])
         same = [i for i, f in enumerate(frags) if f.numel() and torch.equal(f.slow(), f.fast())]
         if same:
@@ -261,7 +271,7 @@ class Joining:
         """Of the model and every tensor of the method's state — slow weights, outer
         momentum, syncs in flight — in a fixed order (the transfer is checked bit for bit
         with it: donor after sending, joiner after adopting)."""
-        return weights_checksum(self.params + tensors_of(self.method.state_dict()))
+        return weights_checksum(self.params + tensors_of(shared_state(self.method.state_dict())))
 
     def _transfer_timeout(self) -> float:
         """A state transfer moves the whole model: it gets ``--comm-timeout`` (a slow link
@@ -522,6 +532,8 @@ class Joining:
         guard = getattr(self.method, "guard", None)
         judged = (list(guard.rejected), guard.checked) if guard is not None else None
         self.method.load_state_dict(method)
+        for e in getattr(self.method, "errors", []):
+            e.zero_()  # the donor's debt is not this replica's (shared_state)
         if guard is not None and judged is not None:
             # The donor's scale of distances, but this replica's own record of what it judged.
             guard.rejected, guard.checked = judged

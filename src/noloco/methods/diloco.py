@@ -31,7 +31,6 @@ momentum μ → ``momentum``; Nesterov → ``nesterov``; error-feedback decay �
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch
 
 from noloco import sparse
 from noloco.comm import Communicator
-from noloco.guard import UpdateGuard, all_finite, distance
+from noloco.guard import UpdateGuard
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
 
 
@@ -91,17 +90,6 @@ class DiLoCo(OuterSync):
                 payload.zero_()
             pending = self.comm.all_reduce_mean_quantized_async(payload, self.quantize)
         return Sync(frag.index, t + self.tau, payload, pending, own_bad=own_bad)
-
-    def _guard_own(self, frag: Fragment, fast: torch.Tensor) -> bool:
-        """The update guard's check of this replica's own outer gradient φ − θ before it
-        enters the all-reduce (:mod:`noloco.guard`): True when it is rejected."""
-        if self.guard is None:
-            return False
-        finite = all_finite(fast)
-        why = self.guard.judge(distance(frag.slow(), fast) if finite else math.inf, finite)
-        if why is not None:
-            self.guard.reject(self.inner_steps, "own", why, fragment=frag.index)
-        return why is not None
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
         """g = φ − mean θ (the all-reduce left its mean in the payload); compressed, the mean

@@ -35,6 +35,7 @@ Paper symbols: H → ``sync_every``; P → ``fragments``; τ → ``overlap_steps
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -46,7 +47,7 @@ from torch import nn
 
 from noloco import quant, sparse
 from noloco.comm import SKIPPED, Communicator, Pending, flatten
-from noloco.guard import UpdateGuard
+from noloco.guard import UpdateGuard, all_finite, distance
 from noloco.methods.base import Method
 from noloco.quant import FORMATS
 from noloco.split import block_index, fragment_parameters
@@ -233,10 +234,23 @@ class OuterSync(Method, ABC):
         if self.quantize != "none":
             raise ValueError("compress and quantize are two encodings of one exchange: "
                              "choose one")
+        # (on the parameters' device: a pipeline stage's empty fragment lives on the CPU)
         self.compress = sparse.Compressor(spec, [f.numel() for f in self.frags], ef_decay,
-                                          chunk, self.frags[0].flat_phi.device)
+                                          chunk, self.params[0].device)
         self.errors = self.compress.errors
         self.extra_state = (*self.extra_state, "errors")
+
+    def _guard_own(self, frag: Fragment, fast: torch.Tensor) -> bool:
+        """The update guard's check of this replica's own outer gradient φ − θ before it
+        is sent or folded into an error-feedback buffer (:mod:`noloco.guard`): True when it
+        is rejected."""
+        if self.guard is None:
+            return False
+        finite = all_finite(fast)
+        why = self.guard.judge(distance(frag.slow(), fast) if finite else math.inf, finite)
+        if why is not None:
+            self.guard.reject(self.inner_steps, "own", why, fragment=frag.index)
+        return why is not None
 
     # ---- what a method fills in -------------------------------------------------------------
     @abstractmethod

@@ -145,9 +145,16 @@ class NoLoCo(OuterSync):
         self.exchanges += 1
         fast, slow = frag.fast(), frag.slow()
         pulled: list[int] = []
+        own_bad = False
         if self.compress is not None:
+            # Judged before it enters the error feedback: a bad update folded in would stay
+            # in e, and leave in pieces later, past the guard.
+            own_bad = self._guard_own(frag, fast)
+            delta = fast - slow
+            if own_bad:
+                delta.zero_()
             pulled = self.pulled_chunks(self.exchanges - 1, frag.numel())
-            payload = torch.cat([self.compress.encode(frag.index, fast - slow),
+            payload = torch.cat([self.compress.encode(frag.index, delta),
                                  self._chunks(slow, pulled).view(torch.uint8)])
         elif self.quantize != "none":
             payload = torch.cat([encode(fast - slow, self.quantize),
@@ -158,7 +165,7 @@ class NoLoCo(OuterSync):
         pending = self.comm.exchange_async(payload, peers,
                                            frag.receive_buffers(payload, len(peers)))
         return Sync(frag.index, t + self.tau, payload, pending,
-                    extra=(group, peers, fast.numel(), self.comm.rank, pulled))
+                    extra=(group, peers, fast.numel(), self.comm.rank, pulled), own_bad=own_bad)
 
     def pseudo_gradient(self, frag: Fragment, sync: Sync, received: Any) -> torch.Tensor:
         """g = γ·(φ_i − mean_G φ) − β·mean_G Δ, every mean summed in group order so every
@@ -232,6 +239,10 @@ class NoLoCo(OuterSync):
             g[c * size:end] += row[:end - c * size]
         return g
 
+    def _plain(self, msg: torch.Tensor, n: int) -> torch.Tensor:
+        """The part of a message that holds plain floats (sparse: the pulled φ)."""
+        return self._split(msg, n)[1] if self.compress is not None else msg
+
     def _fast_of(self, frag: Fragment, msg: torch.Tensor, n: int) -> torch.Tensor:
         """The fast weights θ a member's message carries (decoded when quantised; sparse, this
         replica's φ plus the member's Δ̂)."""
@@ -250,11 +261,16 @@ class NoLoCo(OuterSync):
         distance of its fast weights from this replica's slow weights."""
         guard, phi, own = self.guard, frag.slow(), sync.payload
         assert guard is not None
-        for r in [me, *sorted(r for r in by_rank if r != me)]:
+        # Compressed, this replica's own update was judged before it was sent (communicate).
+        first = [] if self.compress is not None else [me]
+        for r in [*first, *sorted(r for r in by_rank if r != me)]:
             msg = by_rank[r]
             like = msg.shape == own.shape and msg.dtype == own.dtype
-            theta = self._fast_of(frag, msg, n) if like else None
-            finite = like and all_finite(theta) and all_finite(msg)
+            try:
+                theta = self._fast_of(frag, msg, n) if like else None
+            except ValueError:  # a sparse message with an index outside its chunk
+                like, theta = False, None
+            finite = like and all_finite(theta) and all_finite(self._plain(msg, n))
             why = guard.judge(distance(theta, phi) if finite else math.inf, finite, like)
             if why is not None:
                 guard.reject(self.inner_steps, "own" if r == me else r, why,

@@ -56,10 +56,10 @@ METHODS = ("ddp", "diloco", "noloco", "streaming", "sparseloco")
 """Methods predicted by default (``single`` has nothing to synchronise)."""
 
 DEFAULT_SYNC_EVERY = {"diloco": 100, "noloco": 50, "streaming": 50, "sparseloco": 50}
+"""H when the run itself has none (the package's defaults, SPEC §2-§4)."""
 
 SPARSELOCO_COMPRESS = "topk:0.02:2"
 """sparseloco's message when the run is not a sparseloco run (its default)"""
-"""H when the run itself has none (the package's defaults, SPEC §2-§4)."""
 
 
 _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
