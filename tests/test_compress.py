@@ -9,7 +9,7 @@ from run_utils import summary
 from run_utils import train as cli_train
 
 from noloco import sparse
-from noloco.comm import TorchCommunicator
+from noloco.comm import NullCommunicator, Pending, TorchCommunicator
 from noloco.methods import DiLoCo, NoLoCo, StreamingDiLoCo, groups_at
 from noloco.methods.wire import sync_bytes
 from noloco.model import ModelArgs, build, lm_loss
@@ -244,3 +244,55 @@ def test_error_feedback_lives_on_the_parameters_device_when_a_fragment_is_empty(
                       compress="topk:0.1:2")
         assert method.frags[0].numel() == 0 and method.frags[1].numel() > 0
         assert {e.device.type for e in method.errors} == {"meta"}
+
+
+class _Gathered(NullCommunicator):
+    """A communicator stand-in for replica 0 of four whose all-gather returns what a test
+    sets in ``result`` (``SKIPPED``, or the messages with None for absent replicas)."""
+
+    def __init__(self, may_skip: bool) -> None:
+        super().__init__()
+        self.may_skip, self.rank, self.size = may_skip, 0, 4
+        self.result = lambda tensor: [tensor.clone()]
+
+    def all_gather_async(self, tensor: torch.Tensor) -> Pending:
+        self.ops["all_gather"] += 1
+        got = self.result(tensor)
+        return Pending(self, [], lambda: got)
+
+
+def test_a_sparse_round_nobody_stepped_in_is_called_off_and_garbage_is_left_out():
+    """Elastic DiLoCo with --compress: an all-gather that ended SKIPPED (nobody stepped)
+    leaves φ and the error feedback as they were — the fast weights train on and the next
+    round's outer gradient holds this one's again. A partner's malformed message is left out
+    of the mean (and said in the summary); an absent one is no message."""
+    import torch.nn as nn
+
+    from noloco.comm import SKIPPED
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    comm = _Gathered(may_skip=True)
+    method = DiLoCo(model, comm, sync_every=1, compress="topk:0.05:2", ef_decay=0.9)
+    step = lambda: [p.data.add_(0.01 * torch.randn_like(p)) for p in model.parameters()]  # noqa: E731
+    comm.result = lambda t: [t.clone(), None, None, None]
+    step()
+    method.after_inner_step()  # a round with itself alone: e owes what it did not send
+    e1, phi1 = method.errors[0].clone(), method.frags[0].slow().clone()
+    comm.result = lambda t: SKIPPED
+    step()
+    method.after_inner_step()
+    assert torch.equal(method.errors[0], e1) and torch.equal(method.frags[0].slow(), phi1)
+    assert method.outer_steps == 1
+    garbage = torch.full((sparse.wire_bytes(64 * 64 + 64, 0.05, 2),), 0xFF, dtype=torch.uint8)
+    comm.result = lambda t: [t.clone(), garbage, None, t.clone()]
+    step()
+    method.after_inner_step()
+    assert method.outer_steps == 2
+    assert [(d["from"], d["fragment"]) for d in method.dropped] == [(1, 0)]
+    assert "outside" in method.dropped[0]["why"]
+    assert method.report()["dropped_messages"] == method.dropped
+    # A static communicator never calls a round off: no copy of e is kept
+    static = DiLoCo(nn.Linear(4, 4), _Gathered(may_skip=False), sync_every=1,
+                    compress="topk:0.5:2")
+    assert static.compress.feedback[0].before is None

@@ -70,8 +70,11 @@ def test_groups_of_a_snapshot_partition_its_members():
 @pytest.mark.parametrize("method, streaming", [
     ("noloco", []), ("diloco", []),
     ("streaming", ["--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"]),
-    ("noloco", ["--compress", "topk:0.02:2"])],
-    ids=["noloco", "diloco", "streaming-fp4", "noloco-sparse"])
+    ("noloco", ["--compress", "topk:0.02:2"]),
+    # sparse messages all-gathered among the members that arrive (all of them here), per
+    # fragment, with overlap
+    ("streaming", ["--fragments", "2", "--overlap-steps", "1", "--compress", "topk:0.05:4"])],
+    ids=["noloco", "diloco", "streaming-fp4", "noloco-sparse", "streaming-sparse"])
 def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespeare, method,
                                                             streaming):
     runs = {}
@@ -93,6 +96,8 @@ def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespear
     assert e["failures"] == [] and e["replicas_finished"] == [0, 1, 2, 3]
     assert math.isclose(e["weight_spread"], s["weight_spread"], rel_tol=1e-6)
     op = {"noloco": "exchange", "diloco": "all_reduce", "streaming": "all_reduce_quantized"}
+    if "--compress" in streaming and method != "noloco":
+        op[method] = "all_gather"
     ops = {json.loads((runs["elastic"] / "metrics" / f"replica-{r}.json").read_text())["ops"]
            .get(op[method]) for r in range(4)}
     assert ops == {4 * (2 if "--fragments" in streaming else 1)}  # every fragment's sync
@@ -205,7 +210,8 @@ def test_diloco_survivors_stay_identical_after_a_death(tmp_path, shakespeare):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--method", "ddp", "--elastic"], "--elastic applies to noloco, diloco and streaming"),
+    (["--method", "ddp", "--elastic"],
+     "--elastic applies to noloco, diloco, streaming and sparseloco"),
     (["--method", "noloco", "--elastic", "--stages", "2"], "needs --routing fixed"),
     (["--method", "diloco", "--elastic", "--stages", "2", "--routing", "fixed"],
      "supports --method noloco only"),
@@ -224,8 +230,10 @@ def test_impossible_elastic_settings_are_one_line(tmp_path, shakespeare, args, m
 @pytest.mark.parametrize("method", [
     ["diloco"],
     # per-fragment slow weights: the heal's checksum covers them too (it once crashed there)
-    ["streaming", "--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"]],
-    ids=["diloco", "streaming-fp4"])
+    ["streaming", "--fragments", "2", "--overlap-steps", "1", "--quantize", "fp4"],
+    # an all-gather of sparse messages; the healer starts owing nothing, like a joiner
+    ["sparseloco"]],
+    ids=["diloco", "streaming-fp4", "sparseloco"])
 def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, shakespeare, method):
     out = tmp_path / "run"
     r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", *method,
@@ -237,7 +245,7 @@ def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, shakespeare, m
     assert healed and healed[0]["step"] > healed[0]["step_before"]  # it caught up
     others = [v for k, v in s["longest_wait_seconds"].items() if k != "2"]
     assert max(others) < TIMEOUT + 1.5
-    if method[0] != "diloco":  # Streaming's fragments train on between their syncs
+    if method[0] == "streaming":  # Streaming's fragments train on between their syncs
         return
     w = weights(out)
     ref = w["replica-0.safetensors"]
@@ -251,9 +259,13 @@ from datetime import timedelta
 import torch.distributed as dist
 from noloco.elastic import ElasticCommunicator, Membership
 port, r, n, plan = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+op = sys.argv[5]
 store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30))
 m = Membership(store, r, n, 2.0).start()
 c = ElasticCommunicator(m, 2.0)
+if plan.get("seal"):
+    from noloco.integrity import Sealer
+    c.sealer, c.tamper = Sealer(b"k" * 32), r in plan.get("tamper", [])
 store.add("started", 1)
 while store.add("started", 0) < n:  # all beat before anyone fixes a snapshot
     time.sleep(0.01)
@@ -281,6 +293,9 @@ class PG:
     def allreduce(self, xs):
         return Work(self.pg.allreduce(xs), self.act)
 
+    def allgather(self, outs, xs):
+        return Work(self.pg.allgather(outs, xs), self.act)
+
 
 def planned(call, tag, final):
     act = plan.get(str(r), {}).get(str(len(attempts)), ["ok"])
@@ -292,17 +307,25 @@ def planned(call, tag, final):
 
 
 c._group = planned
-t = torch.full((1000,), float(r + 1))
-c.all_reduce_mean_async(t).wait()
-print(json.dumps({"value": t.unique().tolist(), "retries": c.retries, "behind": c.behind,
-                  "attempts": attempts, "events": [e["kind"] for e in c.events]}))
+if op == "all_gather":  # replica r's message: 1000 bytes of r + 1
+    got = c.all_gather_async(torch.full((1000,), r + 1, dtype=torch.uint8)).wait()
+    value = [None if x is None else x.unique().tolist() for x in got]
+else:
+    t = torch.full((1000,), float(r + 1))
+    c.all_reduce_mean_async(t).wait()
+    value = t.unique().tolist()
+print(json.dumps({"value": value, "retries": c.retries, "behind": c.behind,
+                  "attempts": attempts, "events": [e["kind"] for e in c.events],
+                  "bytes": c.bytes_sent, "mac_bytes": c.mac_bytes}))
 """
 
 
-def all_reduce_roles(n: int, plan: dict[int, dict[int, list]]) -> dict[int, dict]:
-    """``n`` replicas all-reduce ``r + 1`` once through the elastic communicator, replica r
-    acting out ``plan[r][attempt]`` (die, fail_after SECONDS, slow SECONDS, or ok): the
-    results of those that finished."""
+def all_reduce_roles(n: int, plan: dict, op: str = "all_reduce") -> dict[int, dict]:
+    """``n`` replicas all-reduce ``r + 1`` once through the elastic communicator (or, ``op``
+    all_gather, gather a message of ``r + 1``s), replica r acting out ``plan[r][attempt]``
+    (die, fail_after SECONDS, slow SECONDS, or ok); ``plan["seal"]``: with payload MACs,
+    ``plan["tamper"]`` the replicas whose messages leave altered. The results of those that
+    finished."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -310,7 +333,7 @@ def all_reduce_roles(n: int, plan: dict[int, dict[int, list]]) -> dict[int, dict
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30),
                           wait_for_workers=False)
     procs = [subprocess.Popen([sys.executable, "-c", ROLE, str(store.port), str(r), str(n),
-                               json.dumps(plan)],
+                               json.dumps(plan), op],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     outs = [p.communicate(timeout=90) for p in procs]
@@ -353,6 +376,44 @@ def test_an_all_reduce_aborted_first_is_retried_by_members_that_completed_it():
         assert res[r]["retries"] == 1 and not res[r]["behind"], res[r]
         assert res[r]["events"] == ["lost" if r == 2 else "aborted"], res[r]
         assert res[r]["attempts"] == [[0, 1, 2], [0, 1, 2]]
+
+
+@pytest.mark.timeout(120)
+def test_an_all_gather_member_lost_midway_is_left_out_of_every_members_result():
+    """Four replicas gather their messages; 3 connects and dies before the collective: 0, 1
+    and 2 discard the attempt and gather among themselves — each holds the same three
+    messages, and 3's place is empty. Bytes: two messages each (the committed attempt)."""
+    res = all_reduce_roles(4, {"3": {"0": ["die"]}}, "all_gather")
+    assert sorted(res) == [0, 1, 2], res
+    for x in res.values():
+        assert x["value"] == [[1], [2], [3], None], x
+        assert x["retries"] == 1 and not x["behind"], x
+        assert x["attempts"] == [[0, 1, 2, 3], [0, 1, 2]], x
+        assert x["bytes"] == 2 * 1000, x
+
+
+@pytest.mark.timeout(120)
+def test_an_all_gather_that_completed_elsewhere_leaves_the_broken_member_its_own_message():
+    """The gather completes on 0 and 1, which commit; 2 breaks after it: it holds only its
+    own message and is behind (it heals; its message is in nobody's mean but its own)."""
+    res = all_reduce_roles(3, {"2": {"0": ["fail_after", 1.0]}}, "all_gather")
+    assert res[0]["value"] == res[1]["value"] == [[1], [2], [3]], res
+    assert res[2]["behind"] and res[2]["value"] == [None, None, [3]], res
+
+
+@pytest.mark.timeout(120)
+def test_a_sealed_all_gather_leaves_out_the_member_whose_message_was_altered():
+    """With payload MACs, replica 1's message leaves altered after its seal: every member
+    sees the bad tag, and all retry without 1 (the first report names it), which is left
+    with its own message alone and behind."""
+    res = all_reduce_roles(3, {"seal": True, "tamper": [1]}, "all_gather")
+    for r in (0, 2):
+        assert res[r]["value"] == [[1], None, [3]], res
+        assert res[r]["attempts"] == [[0, 1, 2], [0, 2]] and not res[r]["behind"], res
+        assert res[r]["mac_bytes"] > 0
+    assert res[1]["behind"] and res[1]["value"] == [None, [2], None], res
+    clean = all_reduce_roles(3, {"seal": True}, "all_gather")
+    assert all(x["value"] == [[1], [2], [3]] and x["retries"] == 0 for x in clean.values())
 
 
 STAGES = ["--stages", "2", "--routing", "fixed"]

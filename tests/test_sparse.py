@@ -95,3 +95,46 @@ def test_error_feedback_loses_nothing_and_a_lossless_one_stays_zero():
     total = sum(d.double() for d in deltas)
     assert torch.allclose(sent + ef.error.double(), total, atol=1e-5)
     assert torch.count_nonzero(ef.error) > 0
+
+
+def test_a_repeated_or_unsorted_index_is_refused():
+    """The encoder sorts each chunk's distinct indices; anything else would make the decoded
+    values depend on which of two writes a scatter keeps."""
+    n, chunk = 4096 * 2, 4096
+    data = S.to_bytes(S.compress(torch.randn(n), 0.02, 2, chunk)).clone()
+    idx = data[:2 * 82 * 2].view(torch.int16)
+    idx[1] = idx[0]  # chunk 0's second index repeats its first
+    with pytest.raises(ValueError, match="not increasing"):
+        S.from_bytes(data, n, 0.02, 2, chunk)
+
+
+def test_a_round_called_off_leaves_the_error_feedback_as_it_was():
+    torch.manual_seed(4)
+    ef = S.ErrorFeedback(9000, 0.05, 2, decay=0.9, undoable=True)
+    ef.message(torch.randn(9000))
+    before = ef.error.clone()
+    ef.message(torch.randn(9000))
+    assert not torch.equal(ef.error, before)
+    ef.undo()
+    assert torch.equal(ef.error, before)
+    with pytest.raises(RuntimeError, match="no copy"):
+        S.ErrorFeedback(10, 0.5, 2).undo()
+
+
+def test_the_mean_of_sound_messages_leaves_out_malformed_and_non_finite_ones():
+    torch.manual_seed(5)
+    comp = S.Compressor("topk:0.1:32", [5000])
+    msgs = [S.to_bytes(S.compress(torch.randn(5000), 0.1, 32)) for _ in range(4)]
+    bad_index = msgs[1].clone()
+    bad_index[:2] = 0xFF  # an index outside its chunk
+    nan = msgs[2].clone()
+    nan[-4:] = torch.tensor([float("nan")]).view(torch.uint8)  # the last kept value
+    short = msgs[3][:-1]
+    mean, dropped = comp.mean_of_sound([msgs[0], bad_index, nan, short, msgs[3]], 5000)
+    assert sorted(dropped) == [1, 2, 3]
+    assert "outside" in dropped[1] and dropped[2] == "not finite" and "bytes" in dropped[3]
+    assert torch.equal(mean, comp.mean([msgs[0], msgs[3]], 5000))
+    # sound messages alone: the plain mean, bit for bit
+    assert torch.equal(comp.mean_of_sound(msgs, 5000)[0], comp.mean(msgs, 5000))
+    zeros, dropped = comp.mean_of_sound([bad_index], 5000)
+    assert dropped.keys() == {0} and not zeros.any()

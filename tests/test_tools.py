@@ -57,7 +57,7 @@ def test_report_compares_runs(runs, tmp_path, capsys) -> None:
     assert main(["report", str(runs["single"]), str(runs["diloco"]), "--out", str(out)]) == 0
     md = (out / "report.md").read_text()
     rows = [x for x in md.splitlines() if x.startswith("| single") or x.startswith("| diloco")]
-    assert len(rows) == 2 and "| diloco | diloco | 2 | 1 | 2 | fp32 |" in md
+    assert len(rows) == 2 and "| diloco | diloco | 2 | 1 | 2 | adamw | fp32 | fp32 |" in md
     if importlib.util.find_spec("matplotlib"):
         pngs = sorted(p.name for p in out.glob("*.png"))
         assert pngs == ["val_loss_bytes.png", "val_loss_tokens.png", "val_loss_wall.png",
@@ -219,3 +219,14 @@ def test_the_closing_summary_names_noloco_report(runs, capsys) -> None:
         (runs["single"] / "summary.json").read_text()), "runs/x")
     out = capsys.readouterr().out
     assert "next: noloco report runs/x" in out and "noloco train --resume runs/x" in out
+
+
+def test_the_report_names_what_each_run_exchanges() -> None:
+    from noloco.report import exchange
+
+    assert exchange({"method": "single", "replicas": 1}) == "—"
+    assert exchange({"method": "diloco", "replicas": 4, "quantize": "none"}) == "fp32"
+    assert exchange({"method": "ddp", "replicas": 4}) == "fp32"
+    assert exchange({"method": "streaming", "replicas": 4, "quantize": "fp4"}) == "fp4"
+    assert exchange({"method": "sparseloco", "replicas": 4, "compress": "topk:0.02:2",
+                     "ef_decay": 0.95}) == "topk:0.02:2, EF 0.95"

@@ -125,6 +125,9 @@ class Communicator(ABC):
 
     rank: int = 0
     size: int = 1
+    may_skip: bool = False
+    """an all-reduce or all-gather may come back :data:`SKIPPED` (nobody stepped): an
+    elastic run's, when the store is out of reach or every attempt aborted"""
 
     def __init__(self) -> None:
         self.bytes_sent = 0

@@ -135,8 +135,8 @@ class MethodConfig:
         "for")
     elastic: bool = opt(
         False, "replicas are fault domains: one that dies or stalls is dropped after "
-        "--peer-timeout and the others train on (noloco, diloco, streaming; stages: noloco "
-        "with --routing fixed; docs/elastic.md)")
+        "--peer-timeout and the others train on (noloco, diloco, streaming, sparseloco; "
+        "stages: noloco with --routing fixed; docs/elastic.md)")
     update_guard: bool = opt(
         True, "noloco, diloco, streaming: check every update before it is used — a partner's "
         "(noloco) or this replica's own outer gradient (diloco, streaming) must be finite and "
@@ -359,10 +359,6 @@ class Config:
             if m.quantize != "none":
                 raise ConfigError(f"--compress and --quantize {m.quantize} are two encodings "
                                   f"of one exchange: choose one")
-            if m.elastic and m.method != "noloco":
-                raise ConfigError(f"--compress with --elastic: only noloco's sparse gossip "
-                                  f"(an elastic run has no all-gather for {m.method}'s "
-                                  f"sparse messages)")
             from noloco.sparse import parse
 
             try:
@@ -374,10 +370,9 @@ class Config:
                               "topk:FRACTION[:BITS] (or use --method sparseloco)")
         if m.ef_decay is not None and not 0.0 <= m.ef_decay <= 1.0:
             raise ConfigError(f"--ef-decay must lie in [0, 1], got {m.ef_decay}")
-        if m.method == "sparseloco" and (m.elastic or m.outer_momentum is not None):
+        if m.method == "sparseloco" and m.outer_momentum is not None:
             raise ConfigError("--method sparseloco takes no --outer-momentum (its error feedback "
-                              "is the momentum) and is not elastic yet (an elastic run "
-                              "all-gathers nothing)")
+                              "is the momentum)")
         if m.method == "single" and m.replicas != 1:
             raise ConfigError("--method single runs one replica; use ddp, diloco, noloco or "
                               "streaming for --replicas > 1")
@@ -436,9 +431,9 @@ class Config:
             raise ConfigError(f"--checkpoint-every must be >= 0, got {t.checkpoint_every}")
         _positive("--keep-checkpoints", t.keep_checkpoints)
         if m.elastic:
-            if m.method not in ("noloco", "diloco", "streaming"):
-                raise ConfigError(f"--elastic applies to noloco, diloco and streaming, not "
-                                  f"{m.method}")
+            if m.method not in ("noloco", "diloco", "streaming", "sparseloco"):
+                raise ConfigError(f"--elastic applies to noloco, diloco, streaming and "
+                                  f"sparseloco, not {m.method}")
             if m.stages > 1 and m.routing != "fixed":
                 raise ConfigError("--elastic with --stages > 1 needs --routing fixed: with "
                                   "random routing activations cross replicas every step, so a "

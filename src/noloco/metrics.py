@@ -375,6 +375,7 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "ops": dict(trainer.comm.ops),  # rank 0's: every replica issues the same sequence
         "grad_accum": trainer.cfg.optim.grad_accum,
         "precision": trainer.cfg.train.precision,
+        "inner_optimizer": trainer.cfg.optim.inner_optimizer,
         "sync_seconds": rec["sync_seconds"],
         "compute_seconds": stats[0],
         "step_seconds": stats[0] / t.steps,

@@ -1,6 +1,7 @@
 """``noloco report RUN_DIR... [--out DIR]``: compare finished runs.
 
-Writes ``report.md`` — one row per run: method, replicas, stages, H, final validation loss ±
+Writes ``report.md`` — one row per run: method, replicas, stages, H, the inner optimizer,
+what is exchanged (fp32, a quantised format, a sparse top-k message), final validation loss ±
 its spread over replicas (standard deviation of the replicas' own losses), MB sent per
 replica, seconds blocked in communication, wall seconds, compute utilisation — and PNG plots
 (with matplotlib): validation loss against tokens per replica, against bytes sent per
@@ -16,7 +17,8 @@ from typing import Any
 
 from noloco.config import ConfigError
 
-COLUMNS = ("run", "method", "replicas", "stages", "H", "precision", "final val loss",
+COLUMNS = ("run", "method", "replicas", "stages", "H", "inner", "exchange", "precision",
+           "final val loss",
            "± over replicas", "MB sent / replica", "MB activations", "blocked s", "wall s",
            "utilisation")
 
@@ -45,10 +47,22 @@ def row(run: dict[str, Any]) -> list[str]:
     precision = s.get("precision", "fp32") + (
         f" × {s['grad_accum']} microbatches" if (s.get("grad_accum") or 1) > 1 else "")
     return [run["name"], s["method"], str(s["replicas"]), str(s.get("stages", 1)),
-            str(s.get("sync_every") or "—"), precision, f"{s['final_val_loss']:.4f}",
+            str(s.get("sync_every") or "—"), s.get("inner_optimizer", "adamw"), exchange(s),
+            precision, f"{s['final_val_loss']:.4f}",
             f"{spread:.4f}", f"{s['bytes_sent_per_replica'] / 1e6:,.1f}",
             f"{(s.get('activation_bytes') or 0) / 1e6:,.1f}", f"{s['sync_seconds']:.2f}",
             f"{s['wall_seconds']:.1f}", f"{s['compute_utilisation']:.3f}"]
+
+
+def exchange(s: dict[str, Any]) -> str:
+    """What replicas send each other: fp32, a quantised format, or a sparse message with
+    its error feedback's decay (— for one replica alone)."""
+    if s["method"] == "single" or s.get("replicas", 1) <= 1:
+        return "—"
+    if s.get("compress"):
+        return f"{s['compress']}, EF {s.get('ef_decay', 1.0):g}"
+    q = s.get("quantize") or "none"
+    return "fp32" if q == "none" else q
 
 
 def table(runs: list[dict[str, Any]]) -> str:

@@ -172,8 +172,13 @@ def from_bytes(data: torch.Tensor, numel: int, fraction: float, bits: int,
         idx = raw.view(torch.int16).to(torch.int64) & 0xFFFF
     else:
         idx = raw.view(torch.int32).to(torch.int64)
-    if (idx >= chunk).any():
+    if ((idx >= chunk) | (idx < 0)).any():
         raise ValueError("a sparse message with an index outside its chunk")
+    rows = idx.view(c, k)
+    if k > 1 and (rows[:, 1:] <= rows[:, :-1]).any():
+        # the encoder sorts each chunk's distinct indices: a repeated one would make the
+        # decoded value depend on which write a scatter keeps
+        raise ValueError("a sparse message whose indices are not increasing within a chunk")
     rest = data[c * k * ib:]
     if bits == 32:
         return Sparse(numel, chunk, bits, idx.view(c, k),
@@ -190,16 +195,30 @@ class ErrorFeedback:
     compressor (fraction 1, 32 bits) e stays zero."""
 
     def __init__(self, numel: int, fraction: float, bits: int, decay: float = 1.0,
-                 chunk: int = DEFAULT_CHUNK, device: torch.device | str = "cpu") -> None:
+                 chunk: int = DEFAULT_CHUNK, device: torch.device | str = "cpu",
+                 undoable: bool = False) -> None:
         self.fraction, self.bits, self.decay, self.chunk = fraction, bits, decay, chunk
         self.error = torch.zeros(numel, dtype=torch.float32, device=device)
+        self.before: torch.Tensor | None = torch.empty_like(self.error) if undoable else None
+        """e as it was before the last round (``undoable``): one more buffer of the
+        fragment's size, kept only where a round can be called off (:meth:`undo`)"""
 
     def message(self, delta: torch.Tensor) -> Sparse:
         """Fold ``delta`` in, compress, keep the remainder; the message to send."""
+        if self.before is not None:
+            self.before.copy_(self.error)
         self.error.mul_(self.decay).add_(delta.reshape(-1))
         msg = compress(self.error, self.fraction, self.bits, self.chunk)
         self.error.sub_(decompress(msg))
         return msg
+
+    def undo(self) -> None:
+        """Call the last round off: e exactly as before it. For a round in which nobody
+        stepped (an elastic all-gather that gave up): the fast weights train on, so the next
+        round's Δ holds this one's again, and keeping it in e as well would count it twice."""
+        if self.before is None:
+            raise RuntimeError("this error feedback keeps no copy to undo a round with")
+        self.error.copy_(self.before)
 
 
 class Compressor:
@@ -207,13 +226,14 @@ class Compressor:
     an error-feedback buffer per fragment (sizes ``sizes``)."""
 
     def __init__(self, spec: str, sizes: list[int], decay: float = 1.0,
-                 chunk: int = DEFAULT_CHUNK, device: torch.device | str = "cpu") -> None:
+                 chunk: int = DEFAULT_CHUNK, device: torch.device | str = "cpu",
+                 undoable: bool = False) -> None:
         if not 0 <= decay <= 1:
             raise ValueError(f"the error feedback's decay must lie in [0, 1], got {decay}")
         self.fraction, self.bits = parse(spec)
         self.decay, self.chunk = decay, chunk
-        self.feedback = [ErrorFeedback(n, self.fraction, self.bits, decay, chunk, device)
-                         for n in sizes]
+        self.feedback = [ErrorFeedback(n, self.fraction, self.bits, decay, chunk, device,
+                                       undoable) for n in sizes]
 
     @property
     def spec(self) -> str:
@@ -235,6 +255,10 @@ class Compressor:
         """A message back to a dense flat fp32 tensor (``ValueError`` if it is malformed)."""
         return decompress(from_bytes(data, numel, self.fraction, self.bits, self.chunk))
 
+    def undo(self, fragment: int) -> None:
+        """Call the fragment's last round off (:meth:`ErrorFeedback.undo`)."""
+        self.feedback[fragment].undo()
+
     def mean(self, messages: list[torch.Tensor], numel: int) -> torch.Tensor:
         """The mean of the decoded ``messages``, summed in the order given (so every replica
         that sums the same messages in the same order gets the same bits)."""
@@ -242,3 +266,26 @@ class Compressor:
         for m in messages:
             total += self.decode(m, numel)
         return total.div_(len(messages))
+
+    def mean_of_sound(self, messages: list[torch.Tensor], numel: int
+                      ) -> tuple[torch.Tensor, dict[int, str]]:
+        """:meth:`mean` over the messages that decode (the right size, increasing indices
+        inside their chunks) to finite values; the others are left out, by position, with
+        why. The verdict depends on a message's bytes alone, so every replica that received
+        the same messages leaves out the same ones and sums the same bits. None sound: zeros
+        (no outer gradient at all)."""
+        device = messages[0].device if messages else self.feedback[0].error.device
+        total = torch.zeros(numel, dtype=torch.float32, device=device)
+        dropped: dict[int, str] = {}
+        for i, m in enumerate(messages):
+            try:
+                x = self.decode(m, numel)
+            except ValueError as e:
+                dropped[i] = str(e)
+                continue
+            if not bool(torch.isfinite(x).all()):
+                dropped[i] = "not finite"
+                continue
+            total += x
+        sound = len(messages) - len(dropped)
+        return (total.div_(sound) if sound else total), dropped

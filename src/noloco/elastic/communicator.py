@@ -57,6 +57,8 @@ class ElasticCommunicator(Communicator):
     """The method's communicator in an elastic run: every operation among the members of its
     snapshot that arrive in time (module docstring). Ranks are replica numbers."""
 
+    may_skip = True
+
     def __init__(self, membership: Membership, peer_timeout: float,
                  comm_timeout: float | None = None) -> None:
         super().__init__()
@@ -111,6 +113,8 @@ class ElasticCommunicator(Communicator):
         waiting for one (heartbeats may not show the others' new commits yet)"""
         self.unreachable_steps: list[int] = []
         """the step of each operation done alone or skipped for want of the store"""
+        self._committed: list[int] | None = None
+        """the members of the last all-reduce's attempt that committed with this replica"""
 
     @property
     def store(self) -> Any:
@@ -513,6 +517,7 @@ class ElasticCommunicator(Communicator):
         members retry among themselves (the same list everywhere: an absent one misses the
         next arrival). Whichever member reports first fixes it by compare-and-set."""
         group = candidates
+        self._committed = None
         for attempt in range(MAX_ATTEMPTS):
             final, tag = self._agree(call, group, attempt)
             if self.rank not in final or len(final) == 1:
@@ -536,6 +541,7 @@ class ElasticCommunicator(Communicator):
             if committed and error is None:
                 self.bytes_sent += nbytes
                 self.commits += 1
+                self._committed = final
                 return _Done(self, None)
             tensor.copy_(original)
             event = {"call": call, "step": self.m.step, "attempt": attempt, "group": final}
@@ -583,10 +589,56 @@ class ElasticCommunicator(Communicator):
         return got == "commit", [r for r in excluded if r in final]
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
-        # Not an operation of any elastic path: the methods exchange or all-reduce, and the
-        # run's metrics are per replica (combined at the end, never gathered in training).
-        raise TypeError("an elastic run gathers nothing over all replicas: every replica "
-                        "writes its own metrics")
+        """Every arriving member's ``tensor`` (the same size everywhere: a sparse message),
+        as a list indexed by replica with ``None`` for each replica whose message is not in
+        the outcome that stands. One outcome for everyone, as :meth:`all_reduce_mean_async`
+        (the same agreement, attempts and commit): every member that commits holds the same
+        messages. This replica alone (the others absent, or it was left out): its own message
+        only. ``SKIPPED``: nobody stepped (out of reach, or every attempt aborted). Done
+        before returning (no overlap). Bytes: (k − 1) × the message among k members."""
+        rows: dict[str, Any] = {}
+
+        def gather(pg: Any, final: list[int], context: str) -> int:
+            k, nbytes = len(final), tensor.numel() * tensor.element_size()
+            if self.sealer is None:
+                got = [torch.empty_like(tensor) for _ in final]
+                pg.allgather([got], [tensor]).wait()
+            else:
+                got = self._sealed_gather(pg, tensor, final, context)
+            rows["members"], rows["got"] = final, got
+            return (k - 1) * nbytes
+
+        self._committed: list[int] | None = None
+        done = self._quorum(tensor, "all_gather", gather)
+        result = done.wait()
+        if isinstance(result, str) and result == SKIPPED:
+            return done
+        out: list[torch.Tensor | None] = [None] * self.size
+        if self._committed is not None and len(self._committed) > 1 \
+                and rows.get("members") == self._committed:
+            for r, x in zip(rows["members"], rows["got"], strict=True):
+                out[r] = x
+        else:  # alone, or left out (behind: it heals)
+            out[self.rank] = tensor.clone()
+        return _Done(self, out)
+
+    def _sealed_gather(self, pg: Any, tensor: torch.Tensor, final: list[int], context: str
+                       ) -> list[torch.Tensor]:
+        """The all-gather with each member's message sealed (its tag after it, for every
+        receiver at once). A message whose tag fails fails the attempt (:class:`BadMac`
+        names its sender); the outcome that stands decides who retries (its first report)."""
+        sealer, me = self.sealer, self.rank
+        assert sealer is not None
+        mine = torch.cat([tensor, sealer.seal(tensor, context + "/gather", me, ["*"])[0]])
+        if self.tamper:  # altered on the wire, after it was sealed
+            mine[0] ^= 0xFF
+        got = [torch.empty_like(mine) for _ in final]
+        pg.allgather([got], [mine]).wait()
+        self.mac_bytes += (len(final) - 1) * TAG_BYTES
+        body, bad = open_messages(sealer, torch.cat(got), context + "/gather", final, "*")
+        if bad:
+            raise BadMac(bad)
+        return list(body.view(len(final), -1).clone().unbind(0))
 
 
 

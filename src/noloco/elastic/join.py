@@ -65,7 +65,9 @@ def shared_state(method: dict[str, Any]) -> dict[str, Any]:
     extra = method.get("extra") or {}
     if "errors" not in extra:
         return method
-    return {**method, "extra": {k: v for k, v in extra.items() if k != "errors"}}
+    # (the record of the messages it left out of means stays each replica's own, too)
+    return {**method, "extra": {k: v for k, v in extra.items()
+                                if k not in ("errors", "dropped")}}
 
 
 def join_streams(own: dict[str, Any] | None, seed: int, rank: int, step: int) -> None:

@@ -161,6 +161,13 @@ class ElasticTrainer(Joining, Trainer):
             "guard_rejected": [{"replica": lay.replica, "stage": lay.stage, **r}
                                for r in getattr(getattr(self.method, "guard", None),
                                                 "rejected", [])],
+            # messages left out of a sparse mean (malformed or not finite)
+            "dropped_messages": [{"replica": lay.replica, **d}
+                                 for d in getattr(self.method, "dropped", [])],
+            # the method's settings (fragments, the exchange's encoding), for noloco report
+            "settings": {k: v for k, v in self.method.settings().items()
+                         if k not in ("update_guard", "dropped_messages")}
+            if hasattr(self.method, "settings") else {},
             "served": self.served, "resumed_from_step": self.resumed_from,
             "threads_per_worker": self.threads, "params": self.n_params_total,
             "param_bytes": self.param_bytes, "device": str(self.device),
@@ -330,6 +337,9 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             "factor": m.guard_factor if m.update_guard else None,
             "rejected": sorted((g for s in finished.values() for g in s["guard_rejected"]),
                                key=lambda g: (g["step"], g["replica"], g["stage"]))},
+        "dropped_messages": sorted((d for s in finished.values()
+                                    for d in s.get("dropped_messages", [])),
+                                   key=lambda d: (d["step"], d["replica"])),
         "partitions": [c for s in finished.values() for c in s["partitions"]],
         "unreachable_operations": {str(r): s["unreachable_ops"] for r, s in finished.items()},
         "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],
@@ -339,9 +349,12 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         "weight_spread": spread,
         "wall_seconds": wall_seconds,
         "model_dir": ckpt_mod.MODEL_DIR,
+        "precision": cfg.train.precision, "grad_accum": cfg.optim.grad_accum,
+        "inner_optimizer": cfg.optim.inner_optimizer, "sync_every": m.sync_every,
     }
     if finished:
         any_s = next(iter(finished.values()))
+        summary.update(any_s.get("settings", {}))
         summary.update(params=any_s["params"], param_bytes=any_s["param_bytes"],
                        device=any_s["device"], threads_per_worker=any_s["threads_per_worker"])
         train_s = sum(s["train_seconds"] for s in finished.values())

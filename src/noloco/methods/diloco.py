@@ -31,13 +31,13 @@ momentum μ → ``momentum``; Nesterov → ``nesterov``; error-feedback decay �
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from noloco import sparse
-from noloco.comm import Communicator
+from noloco.comm import SKIPPED, Communicator, Pending
 from noloco.guard import UpdateGuard
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
 
@@ -78,8 +78,10 @@ class DiLoCo(OuterSync):
             if own_bad:  # nothing of a bad update enters the buffer or the message
                 delta.zero_()
             payload = self.compress.encode(frag.index, delta)
-            return Sync(frag.index, t + self.tau, payload, self.comm.all_gather_async(payload),
-                        own_bad=own_bad)
+            pending = self.comm.all_gather_async(payload)
+            if self.comm.may_skip:
+                pending = _undo_if_skipped(pending, lambda: self.compress.undo(frag.index))
+            return Sync(frag.index, t + self.tau, payload, pending, own_bad=own_bad)
         if self.quantize == "none":
             # A bad update is replaced by φ itself: a zero outer gradient in the mean.
             payload = fast.copy_(frag.slow()) if own_bad else fast
@@ -95,15 +97,48 @@ class DiLoCo(OuterSync):
         """g = φ − mean θ (the all-reduce left its mean in the payload); compressed, the mean
         of the replicas' decoded messages, summed in rank order (the same bits everywhere)."""
         if self.compress is not None:
-            return self.compress.mean(received, frag.numel())
+            # Elastic: None for a replica whose message is not in the outcome; this replica
+            # alone (None for all) steps on its own message.
+            messages = [m for m in received if m is not None] if received else [sync.payload]
+            ranks = ([r for r, m in enumerate(received) if m is not None] if received
+                     else [self.comm.rank])
+            mean, dropped = self.compress.mean_of_sound(messages, frag.numel())
+            for i, why in dropped.items():
+                self._drop(frag, ranks[i], why)
+            return mean
         if self.quantize != "none":
             return sync.payload  # already the mean of φ − θ
         return frag.slow() - sync.payload
+
+    def _drop(self, frag: Fragment, rank: int, why: str) -> None:
+        """A message left out of the mean (malformed or not finite): every replica that
+        received it leaves it out alike. Said once per message, in the summary (and by the
+        update guard, when there is one)."""
+        source = "own" if rank == self.comm.rank else rank
+        self.dropped.append({"step": self.inner_steps, "from": source,
+                             "fragment": frag.index, "why": why})
+        if self.guard is not None:
+            self.guard.reject(self.inner_steps, source, why, fragment=frag.index)
 
     @property
     def buf(self) -> list[torch.Tensor]:
         """The outer momentum, per parameter in model order."""
         return self.outer_momentum()
+
+
+def _undo_if_skipped(pending: Pending, undo: Callable[[], None]) -> Pending:
+    """``pending``, calling ``undo`` when it ends :data:`SKIPPED` (nobody stepped: the error
+    feedback forgets the round, whose Δ the next round's holds again). Done when the result
+    is first read, so a checkpoint or a join state taken before the sync is applied holds
+    e as the round left it."""
+
+    def finish() -> Any:
+        got = pending.wait()
+        if isinstance(got, str) and got == SKIPPED:
+            undo()
+        return got
+
+    return Pending(pending._comm, [], finish)
 
 
 @torch.no_grad()

@@ -235,10 +235,15 @@ class OuterSync(Method, ABC):
             raise ValueError("compress and quantize are two encodings of one exchange: "
                              "choose one")
         # (on the parameters' device: a pipeline stage's empty fragment lives on the CPU)
+        # A communicator whose all-gather can end with nobody stepping (elastic) keeps e's
+        # value before each round, to call the round off (DiLoCo.communicate).
         self.compress = sparse.Compressor(spec, [f.numel() for f in self.frags], ef_decay,
-                                          chunk, self.params[0].device)
+                                          chunk, self.params[0].device,
+                                          undoable=self.comm.may_skip)
         self.errors = self.compress.errors
-        self.extra_state = (*self.extra_state, "errors")
+        self.dropped: list[dict[str, Any]] = []
+        """messages left out of a mean: malformed or not finite (DiLoCo.pseudo_gradient)"""
+        self.extra_state = (*self.extra_state, "errors", "dropped")
 
     def _guard_own(self, frag: Fragment, fast: torch.Tensor) -> bool:
         """The update guard's check of this replica's own outer gradient φ − θ before it
@@ -388,12 +393,18 @@ class OuterSync(Method, ABC):
         return out
 
     def report(self) -> dict[str, Any]:
-        """Extra fields for the run's summary.json."""
+        """Extra fields for the run's summary.json (a subclass may make it collective)."""
+        return self.settings()
+
+    def settings(self) -> dict[str, Any]:
+        """The method's settings and its own record, for the summary: no communication
+        (an elastic replica writes its own summary)."""
         return {"fragments": self.P, "fragment_numel": self.fragment_numel(),
                 "overlap_steps": self.tau, "merge_alpha": self.merge_alpha,
                 "quantize": self.quantize,
                 "update_guard": self.guard.report() if self.guard is not None else None,
-                **({"compress": c.spec, "ef_decay": c.decay, "chunk": c.chunk}
+                **({"compress": c.spec, "ef_decay": c.decay, "chunk": c.chunk,
+                    "dropped_messages": list(getattr(self, "dropped", []))}
                    if (c := self.compress) is not None else {})}
 
 
