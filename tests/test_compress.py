@@ -64,10 +64,11 @@ def _lossless_rank(rank: int, world: int) -> dict[str, float]:
                                         n_layers=ARGS.n_layers, **c),
     }
     for name, make in makers.items():
-        dense, _, _ = train(make, rank, 8)
-        lossless, method, _ = train(lambda m, make=make: make(
+        dense, _, dense_slows = train(make, rank, 8)
+        lossless, method, slows = train(lambda m, make=make: make(
             m, compress="topk:1.0:32", ef_decay=0.5), rank, 8)
         out[name] = (dense - lossless).abs().max().item()
+        out[f"{name}_first"] = (dense_slows[0] - slows[0]).abs().max().item()
         out[f"{name}_error"] = max(e.abs().max().item() for e in method.errors)
         out[f"{name}_moved"] = (dense - flat(build(ARGS, seed=0).parameters())).abs().max().item()
     return out
@@ -82,6 +83,10 @@ def test_a_lossless_compressor_equals_the_dense_method():
         for name in ("diloco", "streaming", "noloco"):
             assert res[f"{name}_moved"] > 1e-2  # the runs trained
             assert res[name] < 2e-6, (name, res[name])
+            # After the first outer step the two differ by the rounding of one mean alone
+            # (of φ − θ instead of θ): an ulp or two of weights near 1 (measured 1.2e-7 to
+            # 2.4e-7); the 8 AdamW steps after it amplify that, within 2e-6 above.
+            assert res[f"{name}_first"] < 3e-7, (name, res[f"{name}_first"])
             assert res[f"{name}_error"] == 0.0
 
 

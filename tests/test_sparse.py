@@ -138,3 +138,7 @@ def test_the_mean_of_sound_messages_leaves_out_malformed_and_non_finite_ones():
     assert torch.equal(comp.mean_of_sound(msgs, 5000)[0], comp.mean(msgs, 5000))
     zeros, dropped = comp.mean_of_sound([bad_index], 5000)
     assert dropped.keys() == {0} and not zeros.any()
+    # finite messages whose sum overflows: no mean at all, on every replica alike
+    huge = S.to_bytes(S.compress(torch.full((5000,), 3e38), 0.1, 32))
+    zeros, dropped = comp.mean_of_sound([huge, huge, msgs[0]], 5000)
+    assert sorted(dropped) == [0, 1, 2] and not zeros.any()

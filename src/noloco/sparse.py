@@ -288,4 +288,11 @@ class Compressor:
                 continue
             total += x
         sound = len(messages) - len(dropped)
-        return (total.div_(sound) if sound else total), dropped
+        if sound:
+            total.div_(sound)
+        if not bool(torch.isfinite(total).all()):
+            # finite messages whose sum overflowed: the same on every replica, no step
+            dropped.update({i: "the mean of the messages is not finite"
+                            for i in range(len(messages)) if i not in dropped})
+            total.zero_()
+        return total, dropped

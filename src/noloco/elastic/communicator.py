@@ -450,10 +450,12 @@ class ElasticCommunicator(Communicator):
         def all_gather(out: list[torch.Tensor], x: torch.Tensor) -> None:
             # Before the chunk: which members' phase-1 messages failed here (one byte each),
             # so that every member learns whom every other one blames.
-            blame = torch.tensor([r in seen for r in final], dtype=torch.uint8)
+            # (tags and flags are made on the host: beside a GPU payload they move to it)
+            blame = torch.tensor([r in seen for r in final], dtype=torch.uint8,
+                                 device=x.device)
             flagged = torch.cat([blame, x])
             mine = torch.cat([flagged, sealer.seal(flagged, context + "/gather", me,
-                                                   ["*"])[0]])
+                                                   ["*"])[0].to(x.device)])
             if self.tamper:
                 mine[k] ^= 0xFF
             got = [torch.empty_like(mine) for _ in out]
@@ -629,7 +631,8 @@ class ElasticCommunicator(Communicator):
         names its sender); the outcome that stands decides who retries (its first report)."""
         sealer, me = self.sealer, self.rank
         assert sealer is not None
-        mine = torch.cat([tensor, sealer.seal(tensor, context + "/gather", me, ["*"])[0]])
+        tag = sealer.seal(tensor, context + "/gather", me, ["*"])[0].to(tensor.device)
+        mine = torch.cat([tensor, tag])
         if self.tamper:  # altered on the wire, after it was sealed
             mine[0] ^= 0xFF
         got = [torch.empty_like(mine) for _ in final]

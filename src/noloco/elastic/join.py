@@ -478,7 +478,13 @@ class Joining:
         """Model-sized tensors a live state of this method may hold: the model, slow weights
         and outer momentum, and a sync in flight — what was sent and what each partner of
         its group sent back, fast and slow weights each."""
-        return max(STATE_COPIES, 3 + 2 * getattr(self.method, "group_size", 1) + 2)
+        copies = max(STATE_COPIES, 3 + 2 * getattr(self.method, "group_size", 1) + 2)
+        if getattr(self.method, "compress", None) is not None \
+                and not hasattr(self.method, "group_size"):
+            # an all-gather in flight: what was sent and every replica's sparse message, each
+            # at most 1.5 fp32 copies (topk:1.0:32: a 2-byte index beside every value)
+            copies += 2 * (self.lay.replicas + 1)
+        return copies
 
     def _check_state(self, state: Any) -> None:
         """Raise :class:`BadState` unless ``state`` has this model's parameters (names, shapes,

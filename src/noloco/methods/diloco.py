@@ -63,7 +63,8 @@ class DiLoCo(OuterSync):
         super().__init__(model, comm, sync_every=sync_every, outer_optimizer=outer, guard=guard,
                          **streaming)
         if compress is not None:
-            self.compress_with(compress, ef_decay, chunk)
+            # an elastic all-gather may end with nobody stepping: e can be put back
+            self.compress_with(compress, ef_decay, chunk, undoable=comm.may_skip)
 
     def communicate(self, frag: Fragment, t: int) -> Sync | None:
         """All replicas average the fragment's fast weights θ — or, quantised, each one's
@@ -129,8 +130,10 @@ class DiLoCo(OuterSync):
 def _undo_if_skipped(pending: Pending, undo: Callable[[], None]) -> Pending:
     """``pending``, calling ``undo`` when it ends :data:`SKIPPED` (nobody stepped: the error
     feedback forgets the round, whose Δ the next round's holds again). Done when the result
-    is first read, so a checkpoint or a join state taken before the sync is applied holds
-    e as the round left it."""
+    is first read — by the sync's application, or by a checkpoint or join state taken
+    before it (``OuterSync.state_dict`` waits for every sync in flight), which therefore
+    saves e already put back and the result as SKIPPED, for which a resumed or joined
+    replica undoes nothing again."""
 
     def finish() -> Any:
         got = pending.wait()

@@ -227,7 +227,7 @@ class OuterSync(Method, ABC):
         """seconds blocked in each sync's wait, in application order"""
 
     def compress_with(self, spec: str, ef_decay: float = 1.0,
-                      chunk: int = sparse.DEFAULT_CHUNK) -> None:
+                      chunk: int = sparse.DEFAULT_CHUNK, undoable: bool = False) -> None:
         """Send sparse messages (``topk:F[:BITS]``) with an error-feedback buffer per
         fragment, e, checkpointed (so a resume is bit-exact); each method decides what it
         folds in and how the messages travel."""
@@ -235,11 +235,10 @@ class OuterSync(Method, ABC):
             raise ValueError("compress and quantize are two encodings of one exchange: "
                              "choose one")
         # (on the parameters' device: a pipeline stage's empty fragment lives on the CPU)
-        # A communicator whose all-gather can end with nobody stepping (elastic) keeps e's
-        # value before each round, to call the round off (DiLoCo.communicate).
+        # ``undoable``: e's value before each round is kept, to call a round off
+        # (DiLoCo.communicate, where an elastic all-gather can end with nobody stepping).
         self.compress = sparse.Compressor(spec, [f.numel() for f in self.frags], ef_decay,
-                                          chunk, self.params[0].device,
-                                          undoable=self.comm.may_skip)
+                                          chunk, self.params[0].device, undoable=undoable)
         self.errors = self.compress.errors
         self.dropped: list[dict[str, Any]] = []
         """messages left out of a mean: malformed or not finite (DiLoCo.pseudo_gradient)"""

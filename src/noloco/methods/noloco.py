@@ -229,7 +229,9 @@ class NoLoCo(OuterSync):
         """g = γ·(φ_i − mean_G φ) on the pulled chunks − β·mean_G Δ̂."""
         assert self.compress is not None
         parts = [self._split(m, n) for m in msgs]
-        g = self.compress.mean([p[0] for p in parts], n).mul_(-self.beta)
+        # (the update guard, when on, dropped malformed messages already; without it one
+        # that does not decode or is not finite adds nothing, rather than stopping the run)
+        g = self.compress.mean_of_sound([p[0] for p in parts], n)[0].mul_(-self.beta)
         slows = torch.stack([p[1] for p in parts])
         mine = slows[group.index(me)] if me in group else self._chunks(frag.slow(), pulled)
         pull = (self.gamma * (mine - slows.mean(0))).view(len(pulled), -1)
