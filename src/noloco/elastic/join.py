@@ -27,8 +27,8 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError
 from noloco.config import ConfigError
 from noloco.elastic.deadline import raw, store_errors
-from noloco.elastic.keys import PREFIX, join_key
-from noloco.elastic.membership import await_value
+from noloco.elastic.keys import PREFIX, join_key, join_seen_key
+from noloco.elastic.membership import await_value, probe
 from noloco.errors import StoreLost, Superseded
 from noloco.guard import all_finite
 from noloco.integrity import TAG_BYTES, chunk_bounds
@@ -217,11 +217,15 @@ class Joining:
         if self.next_serve >= self.membership.join_requests:
             return  # nothing asked (the common case: no store round trip)
         if lay.stage == 0:
+            fixed = False
             while self.served < self.membership.join_requests:
                 self.served += 1
                 if self._request(f"{counter}/{self.served}") is not None:
                     store.set(f"{counter}/serve/{self.served}",
                               json.dumps({"step": self.state.step + 1}))
+                    fixed = True
+            if fixed:
+                self._await_stages_looking()
         while True:
             key = f"{counter}/serve/{self.next_serve + 1}"
             if not store.check([key]):
@@ -243,6 +247,22 @@ class Joining:
             self.joins.append({"kind": "donated", "request": n, "stage": lay.stage,
                                "step": self.state.step, "bytes": nbytes,
                                "seconds": time.perf_counter() - t0, "checksum": self.checksum()})
+
+    def _await_stages_looking(self) -> None:
+        """Stage 0, having fixed the next step for every stage to serve at: wait (at most
+        ``--peer-timeout``) until each other stage has seen the request. A stage learns of
+        requests from its heartbeat, off the training loop; one that had not yet would pass
+        the step without serving, and the joiner's stage would wait for it in vain. Those
+        stages finished this step already (a step ends on stage 0 with their gradients), so
+        waiting here holds them before the step they serve at — the beats are at most a
+        second apart."""
+        store, lay = self.membership.store, self.lay
+        deadline = time.monotonic() + self.cfg.method.peer_timeout
+        for s in range(1, lay.stages):
+            key = join_seen_key(lay.replica, s)
+            while int((probe(store, key) or b"0").decode() or 0) < self.served \
+                    and time.monotonic() < deadline:
+                time.sleep(0.02)
 
     def _request(self, tag: str) -> dict[str, Any] | None:
         """A join request once the joiner has named itself (it counts itself in first, and

@@ -29,6 +29,13 @@ def join_key(donor: int) -> str:
     return f"{PREFIX}/join/{donor}"
 
 
+def join_seen_key(donor: int, stage: int) -> str:
+    """How many join requests to ``donor`` its stage ``stage`` (> 0) has seen: with pipeline
+    stages, stage 0 fixes the step every stage serves at only once the others will look
+    (:meth:`noloco.elastic.join.Joining._serve_staged`)."""
+    return f"{PREFIX}/join/{donor}/seen/{stage}"
+
+
 def snapshot_key(call: int) -> str:
     """The members of operation ``call``, written once. One key for every stage: a replica's
     stages take part together or not at all, with the same partners."""

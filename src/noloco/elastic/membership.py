@@ -34,6 +34,7 @@ from noloco.elastic.deadline import Prefixed, connect, request_deadline
 from noloco.elastic.keys import (
     heartbeat_key,
     join_key,
+    join_seen_key,
     live_key,
     missed_key,
     owner_key,
@@ -229,7 +230,14 @@ class Membership:
                 self.beat()
                 # Read here, off the training loop: a store round trip per inner step would
                 # cost a network latency per step across machines.
-                self.join_requests = int(self._beat_store.add(join_key(self.replica), 0))
+                requests = int(self._beat_store.add(join_key(self.replica), 0))
+                seen = requests > self.join_requests
+                self.join_requests = requests
+                if seen and self.stage > 0:
+                    # Said only once the training thread will look at them: stage 0 waits
+                    # for this before the step it fixed for every stage to serve at.
+                    self._beat_store.set(join_seen_key(self.replica, self.stage),
+                                         str(requests))
                 owner = int(self._beat_store.get(owner_key(self.replica, self.stage)))
                 if owner > self.incarnation:
                     self.owner = owner
