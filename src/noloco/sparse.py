@@ -259,21 +259,13 @@ class Compressor:
         """Call the fragment's last round off (:meth:`ErrorFeedback.undo`)."""
         self.feedback[fragment].undo()
 
-    def mean(self, messages: list[torch.Tensor], numel: int) -> torch.Tensor:
-        """The mean of the decoded ``messages``, summed in the order given (so every replica
-        that sums the same messages in the same order gets the same bits)."""
-        total = torch.zeros(numel, dtype=torch.float32, device=messages[0].device)
-        for m in messages:
-            total += self.decode(m, numel)
-        return total.div_(len(messages))
-
     def mean_of_sound(self, messages: list[torch.Tensor], numel: int
                       ) -> tuple[torch.Tensor, dict[int, str]]:
-        """:meth:`mean` over the messages that decode (the right size, increasing indices
+        """The mean of the messages that decode (the right size, increasing indices
         inside their chunks) to finite values; the others are left out, by position, with
-        why. The verdict depends on a message's bytes alone, so every replica that received
-        the same messages leaves out the same ones and sums the same bits. None sound: zeros
-        (no outer gradient at all)."""
+        why. Summed in the order given, and the verdict depends on a message's bytes alone,
+        so every replica that received the same messages leaves out the same ones and sums
+        the same bits. None sound: zeros (no outer gradient at all)."""
         device = messages[0].device if messages else self.feedback[0].error.device
         total = torch.zeros(numel, dtype=torch.float32, device=device)
         dropped: dict[int, str] = {}

@@ -610,7 +610,7 @@ class ElasticCommunicator(Communicator):
             rows["members"], rows["got"] = final, got
             return (k - 1) * nbytes
 
-        self._committed: list[int] | None = None
+        self._committed = None  # (_quorum may return before an attempt sets it)
         done = self._quorum(tensor, "all_gather", gather)
         result = done.wait()
         if isinstance(result, str) and result == SKIPPED:

@@ -98,12 +98,11 @@ class DiLoCo(OuterSync):
         """g = φ − mean θ (the all-reduce left its mean in the payload); compressed, the mean
         of the replicas' decoded messages, summed in rank order (the same bits everywhere)."""
         if self.compress is not None:
-            # Elastic: None for a replica whose message is not in the outcome; this replica
-            # alone (None for all) steps on its own message.
-            messages = [m for m in received if m is not None] if received else [sync.payload]
-            ranks = ([r for r, m in enumerate(received) if m is not None] if received
-                     else [self.comm.rank])
-            mean, dropped = self.compress.mean_of_sound(messages, frag.numel())
+            # Elastic: None for a replica whose message is not in the outcome (a replica
+            # alone, or left out, holds its own message only).
+            ranks = [r for r, m in enumerate(received) if m is not None]
+            mean, dropped = self.compress.mean_of_sound([received[r] for r in ranks],
+                                                        frag.numel())
             for i, why in dropped.items():
                 self._drop(frag, ranks[i], why)
             return mean
