@@ -589,8 +589,10 @@ def load_model(path: Path | str, which: str | None = None) -> torch.nn.Module:
     """The trained model of a run directory (or its ``model/`` directory): ``which`` is
     ``"average"`` (the replicas' mean, where saved), ``"replica-K"``, or None for the
     default (the average if there is one, else replica 0)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    from noloco.errors import ConfigError
     from noloco.model import ModelArgs, Transformer
 
     path = Path(path)
@@ -605,7 +607,11 @@ def load_model(path: Path | str, which: str | None = None) -> torch.nn.Module:
                        f"{', '.join(index['files'])})")
     state: dict[str, torch.Tensor] = {}
     for f in index["files"][which]:
-        state.update(load_file(str(model_dir / f)))
+        try:
+            state.update(load_file(str(model_dir / f)))
+        except (OSError, SafetensorError) as e:  # truncated, overwritten or gone
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise ConfigError(f"cannot read model weights {model_dir / f}: {why}") from None
     if not index["model_args"]:  # a Hugging Face model (--hf-model)
         from noloco.hf import from_config_dict
 

@@ -148,6 +148,8 @@ def train(ns: argparse.Namespace) -> int:
 
     resuming = getattr(ns, "resume", None) is not None
     cfg = resume_config(ns) if resuming else config_from_args(ns).resolved()
+    from noloco.metrics import check_extras
+    check_extras(cfg.train.tensorboard, cfg.train.wandb)
     m = cfg.method
     # The first outer step (of any fragment) comes after H/P inner steps.
     first_sync = m.sync_every // max(m.fragments, 1) if m.sync_every is not None else None

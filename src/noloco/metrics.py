@@ -220,6 +220,38 @@ class Progress:
         print("\n".join(lines), flush=True)
 
 
+def summary_writer() -> Any:
+    """TensorBoard's ``SummaryWriter`` class (the 'tb' extra), or a one-line ConfigError."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from noloco.config import ConfigError
+        raise ConfigError("--tensorboard needs the 'tb' extra: "
+                          "pip install 'noloco[tb]'") from None
+    return SummaryWriter
+
+
+def wandb_module() -> Any:
+    """The ``wandb`` module (the 'wandb' extra), or a one-line ConfigError."""
+    try:
+        import wandb
+    except ImportError:
+        from noloco.config import ConfigError
+        raise ConfigError("--wandb needs the 'wandb' extra: pip install 'noloco[wandb]'"
+                          ) from None
+    return wandb
+
+
+def check_extras(tensorboard: bool, wandb: bool) -> None:
+    """Import the loggers' extras that a run asks for, before anything is written: found
+    missing at the first evaluation instead, a worker fails after the run directory was made,
+    leaving its summary at status "running" and its --out refused to the next try."""
+    if tensorboard:
+        summary_writer()
+    if wandb:
+        wandb_module()
+
+
 class TensorBoard:
     """Every metric of every evaluation as TensorBoard scalars in ``OUT/tensorboard/`` (rank
     0): losses (and each replica's validation loss), bytes, blocked seconds, weight spread,
@@ -230,14 +262,8 @@ class TensorBoard:
                "activation_bytes", "tokens", "wall_seconds")
 
     def __init__(self, out: str, start_step: int = 0) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from noloco.config import ConfigError
-            raise ConfigError("--tensorboard needs the 'tb' extra: "
-                              "pip install 'noloco[tb]'") from None
-        self.writer = SummaryWriter(str(Path(out) / "tensorboard"),
-                                    purge_step=start_step or None)
+        self.writer = summary_writer()(str(Path(out) / "tensorboard"),
+                                       purge_step=start_step or None)
 
     def log(self, rec: dict[str, Any]) -> None:
         step = int(rec["step"])
@@ -260,12 +286,7 @@ class WandB:
     uploads it later if the user wants to."""
 
     def __init__(self, out: str, config: dict[str, Any], start_step: int = 0) -> None:
-        try:
-            import wandb
-        except ImportError:
-            from noloco.config import ConfigError
-            raise ConfigError("--wandb needs the 'wandb' extra: pip install 'noloco[wandb]'"
-                              ) from None
+        wandb = wandb_module()
         self.wandb = wandb
         self.run = wandb.init(mode="offline", dir=str(out), project="noloco",
                               name=Path(out).name, config=config, reinit="create_new",

@@ -6,6 +6,9 @@ its spread over replicas (standard deviation of the replicas' own losses), MB se
 replica, seconds blocked in communication, wall seconds, compute utilisation — and PNG plots
 (with matplotlib): validation loss against tokens per replica, against bytes sent per
 replica and against wall seconds, and weight spread against steps.
+
+Static and elastic runs alike; a run that did not complete (running, interrupted, failed) is
+shown with its status and the numbers of its last evaluation, — where it has none.
 """
 
 from __future__ import annotations
@@ -24,40 +27,96 @@ COLUMNS = ("run", "method", "replicas", "stages", "H", "inner", "exchange", "pre
 
 
 def load(run_dir: str | Path) -> dict[str, Any]:
+    """A run directory's summary and metrics. A run that did not complete (still running,
+    interrupted, failed) is read too: its settings come from config.json, its numbers from
+    its last evaluation."""
     p = Path(run_dir)
     try:
         summary = json.loads((p / "summary.json").read_text())
-        metrics = [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()
-                   if x.strip()]
+        # an elastic run writes metrics.jsonl at its end only
+        lines = ((p / "metrics.jsonl").read_text().splitlines()
+                 if (p / "metrics.jsonl").is_file() else [])
+        metrics = [json.loads(x) for x in lines if x.strip()]
+        config = (json.loads((p / "config.json").read_text())
+                  if (p / "config.json").is_file() else {})
     except FileNotFoundError as e:
         raise ConfigError(f"{p} is not a run directory ({Path(e.filename).name} is "
                           f"missing)") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: cannot read its summary or metrics ({e})") from None
-    if summary.get("status") != "completed":
-        raise ConfigError(f"{p} did not complete (status {summary.get('status')!r})")
-    return {"name": p.name or str(p), "path": str(p), "summary": summary, "metrics": metrics}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read its summary, metrics or config ({e})") from None
+    if not isinstance(summary, dict) or not isinstance(config, dict):
+        raise ConfigError(f"{p}: summary.json or config.json does not hold a JSON object")
+    name = p.name or str(p)
+    status = summary.get("status")
+    if status != "completed":
+        at = summary.get("last_step")
+        name += f" ({status or 'no status'}" + (f" at step {at}" if at is not None else "") + ")"
+    return {"name": name, "path": str(p), "summary": {**_settings(config), **summary},
+            "metrics": metrics}
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The summary's names of what config.json set: what a run that did not complete (its
+    summary.json holds its status alone) still shows."""
+    sec = {k: v for k, v in config.items() if isinstance(v, dict)}
+    m, o, t = sec.get("method", {}), sec.get("optim", {}), sec.get("train", {})
+    out = {"method": m.get("method"), "replicas": m.get("replicas"), "stages": m.get("stages"),
+           "sync_every": m.get("sync_every"), "quantize": m.get("quantize"),
+           "compress": m.get("compress"), "ef_decay": m.get("ef_decay"),
+           "inner_optimizer": o.get("inner_optimizer"), "grad_accum": o.get("grad_accum"),
+           "precision": t.get("precision")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _mean(x: Any) -> float | None:
+    """A number of a summary: static runs write one per run or a list over replicas, elastic
+    runs a dict keyed by replica; None where it is missing (a run that did not complete)."""
+    if isinstance(x, dict):
+        x = list(x.values())
+    if isinstance(x, list):
+        x = [v for v in x if isinstance(v, int | float)]
+        return sum(x) / len(x) if x else None
+    return float(x) if isinstance(x, int | float) else None
+
+
+def _cell(x: float | None, fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
 
 
 def row(run: dict[str, Any]) -> list[str]:
     s = run["summary"]
-    per = [x for x in s.get("final_val_loss_per_replica") or [] if x is not None]
-    spread = statistics.stdev(per) if len(per) > 1 else 0.0
+    # a run that did not complete: the numbers of its last evaluation
+    last = next((m for m in reversed(run["metrics"]) if m.get("val_loss") is not None), {})
+    done = s.get("status") == "completed"
+    per = s.get("final_val_loss_per_replica") if done else last.get("val_loss_per_replica")
+    per = [x for x in (per.values() if isinstance(per, dict) else per or [])
+           if isinstance(x, int | float)]
+    spread = statistics.stdev(per) if len(per) > 1 else None
+    loss = s.get("final_val_loss") if done else last.get("val_loss")
+    sent = _mean(s.get("bytes_sent_per_replica"))
+    if not done and last.get("bytes_sent") is not None:
+        # an elastic run's metrics line sums its reporting replicas' bytes
+        sent = last["bytes_sent"] / (last.get("replicas_reporting") or 1)
+    blocked = s.get("sync_seconds") if done else last.get("sync_seconds")
+    wall = s.get("wall_seconds") if done else last.get("wall_seconds")
     # fp32 (and no accumulation) for runs from before the switches existed
-    precision = s.get("precision", "fp32") + (
+    precision = (s.get("precision") or "fp32") + (
         f" × {s['grad_accum']} microbatches" if (s.get("grad_accum") or 1) > 1 else "")
-    return [run["name"], s["method"], str(s["replicas"]), str(s.get("stages", 1)),
-            str(s.get("sync_every") or "—"), s.get("inner_optimizer", "adamw"), exchange(s),
-            precision, f"{s['final_val_loss']:.4f}",
-            f"{spread:.4f}", f"{s['bytes_sent_per_replica'] / 1e6:,.1f}",
-            f"{(s.get('activation_bytes') or 0) / 1e6:,.1f}", f"{s['sync_seconds']:.2f}",
-            f"{s['wall_seconds']:.1f}", f"{s['compute_utilisation']:.3f}"]
+    return [run["name"], str(s.get("method") or "—"), str(s.get("replicas") or "—"),
+            str(s.get("stages") or 1), str(s.get("sync_every") or "—"),
+            s.get("inner_optimizer") or "adamw", exchange(s), precision,
+            _cell(_mean(loss), ".4f") + (f" (step {last['step']})" if not done and last
+                                         else ""), _cell(spread, ".4f"),
+            _cell(None if sent is None else sent / 1e6, ",.1f"),
+            f"{(s.get('activation_bytes') or 0) / 1e6:,.1f}",
+            _cell(_mean(blocked), ".2f"), _cell(_mean(wall), ".1f"),
+            _cell(_mean(s.get("compute_utilisation")), ".3f")]
 
 
 def exchange(s: dict[str, Any]) -> str:
     """What replicas send each other: fp32, a quantised format, or a sparse message with
     its error feedback's decay (— for one replica alone)."""
-    if s["method"] == "single" or s.get("replicas", 1) <= 1:
+    if s.get("method") == "single" or (s.get("replicas") or 1) <= 1:
         return "—"
     if s.get("compress"):
         return f"{s['compress']}, EF {s.get('ef_decay', 1.0):g}"
@@ -94,7 +153,9 @@ def plots(runs: list[dict[str, Any]], out: Path) -> list[Path]:
     for x_key, x_label, y_key, name in axes_spec:
         fig, ax = plt.subplots(figsize=(6, 4))
         for r in runs:
-            pts = [(m[x_key], m[y_key]) for m in r["metrics"]
+            # an elastic run's metrics line sums the bytes of the replicas reporting
+            pts = [(m[x_key] / (m.get("replicas_reporting") or 1) if x_key == "bytes_sent"
+                    else m[x_key], m[y_key]) for m in r["metrics"]
                    if m.get(x_key) is not None and m.get(y_key) is not None]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker=".", label=r["name"])
@@ -134,7 +195,7 @@ def report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]]:
 
 
 def add_subparser(sub: Any) -> None:
-    p = sub.add_parser("report", help="compare finished runs: a markdown table and plots",
+    p = sub.add_parser("report", help="compare runs: a markdown table and plots",
                        description=__doc__.split("\n\n")[1])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
     p.add_argument("--out", default="report", help="output directory (default: report/)")

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -389,6 +390,8 @@ def _run_predict(ns: argparse.Namespace) -> int:
         ],
         rows,
     )
+    if pred.note:
+        text = f"note: {pred.note}\n\n{text}"
     meas = pred.measured
     util = meas["compute_utilisation"]
     text += (
@@ -483,7 +486,11 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     def run(ns: argparse.Namespace) -> int:
         try:
             if getattr(ns, "plot", None):
-                _pyplot()  # no matplotlib: say so before computing anything
+                # no matplotlib, nowhere to write: say so before computing or printing anything
+                folder = Path(ns.plot).parent
+                if not folder.is_dir():
+                    raise NetsimError(f"cannot write {ns.plot}: {folder} is not a directory")
+                _pyplot()
             return fn(ns)
         except NetsimError as e:
             print(f"noloco: error: {e}", file=sys.stderr)

@@ -58,6 +58,10 @@ METHODS = ("ddp", "diloco", "noloco", "streaming", "sparseloco")
 DEFAULT_SYNC_EVERY = {"diloco": 100, "noloco": 50, "streaming": 50, "sparseloco": 50}
 """H when the run itself has none (the package's defaults, SPEC §2-§4)."""
 
+ONE_REPLICA_DEFAULT = 8
+"""N predicted for a one-replica run unless ``replicas`` says otherwise: one replica exchanges
+nothing, so its own N would predict every method at 0 bytes (DiLoCo's paper trains 8)"""
+
 SPARSELOCO_COMPRESS = "topk:0.02:2"
 """sparseloco's message when the run is not a sparseloco run (its default)"""
 
@@ -206,9 +210,17 @@ def load_run(run_dir: str | Path) -> RunInfo:
     s = _read_json(root / "summary.json")
     cfg = _read_json(root / "config.json") if (root / "config.json").exists() else {}
     mcfg = cfg.get("method", {}) if isinstance(cfg.get("method"), dict) else {}
+    if s.get("status") not in (None, "completed"):
+        raise NetsimError(f"{root} did not complete (status {s['status']!r}): it measured no "
+                          f"compute time to predict from")
+    if s.get("compute_seconds") is None and s.get("elastic"):
+        s = {**s, **_elastic_compute(root)}
     missing = [k for k in ("method", "replicas", "steps", "compute_seconds") if s.get(k) is None]
     if missing:
         raise NetsimError(f"{root / 'summary.json'} lacks {', '.join(missing)}")
+    sent = s.get("bytes_sent_per_replica")
+    if isinstance(sent, dict):  # an elastic run's: keyed by replica
+        sent = sum(sent.values()) / len(sent) if sent else None
     params = int(s.get("params") or 0)
     param_bytes = s.get("param_bytes") or 4 * params  # fp32 when only the count is known
     if not param_bytes:
@@ -230,7 +242,7 @@ def load_run(run_dir: str | Path) -> RunInfo:
         wall_seconds=s.get("wall_seconds"),
         train_seconds=s.get("train_seconds"),
         sync_seconds=s.get("sync_seconds"),
-        bytes_sent_per_replica=s.get("bytes_sent_per_replica"),
+        bytes_sent_per_replica=sent,
         outer_steps=s.get("outer_steps"),
         sync_every=s.get("sync_every"),
         group_size=int(s.get("group_size") or mcfg.get("group_size") or 2),
@@ -243,6 +255,22 @@ def load_run(run_dir: str | Path) -> RunInfo:
                        and mcfg["gamma"] != mcfg["outer_lr"]),
         model_args=_model_args(root),
     )
+
+
+def _elastic_compute(root: Path) -> dict[str, float]:
+    """An elastic run's compute and training-loop seconds, which its summary.json does not
+    carry: the mean over the workers' own summaries (``metrics/replica-K[-stage-S].json``),
+    as a static run's summary is the mean over its workers."""
+    workers = [_read_json(f) for f in sorted((root / "metrics").glob("*.json"))]
+    workers = [w for w in workers if w.get("compute_seconds") is not None]
+    if not workers:
+        raise NetsimError(f"{root / 'summary.json'} (an elastic run) lacks compute_seconds and "
+                          f"{root / 'metrics'} holds no worker summary to take it from")
+    out = {"compute_seconds": sum(w["compute_seconds"] for w in workers) / len(workers)}
+    loops = [w["train_seconds"] for w in workers if w.get("train_seconds") is not None]
+    if len(loops) == len(workers):
+        out["train_seconds"] = sum(loops) / len(loops)
+    return out
 
 
 def _model_args(root: Path) -> dict[str, Any] | None:
@@ -313,6 +341,8 @@ class Prediction:
     bandwidth_bps: float
     latency_s: float
     methods: list[MethodPrediction]
+    note: str | None = None
+    """why N differs from the run's own (a one-replica run), for the user"""
 
     @property
     def measured(self) -> dict[str, Any]:
@@ -337,6 +367,7 @@ class Prediction:
             "run": asdict(self.run),
             "measured": self.measured,
             "predicted": [asdict(m) for m in self.methods],
+            "note": self.note,
         }
 
 
@@ -473,11 +504,18 @@ def predict_run(
     """Predict wall-clock and compute utilisation of each method for the run's model (P1-P5).
 
     ``replicas``, ``sync_every`` (H), ``fragments`` (P), ``overlap_steps`` (tau) and
-    ``wire_bits`` override what the run used.
+    ``wire_bits`` override what the run used; a one-replica run is predicted at
+    :data:`ONE_REPLICA_DEFAULT` replicas unless ``replicas`` is given (the prediction's note
+    says so).
     """
     info = run if isinstance(run, RunInfo) else load_run(run)
     bw, lat = parse_bandwidth(bandwidth_bps), parse_latency(latency_s)
     n = info.replicas if replicas is None else replicas
+    note = None
+    if replicas is None and info.replicas == 1:
+        n = ONE_REPLICA_DEFAULT
+        note = (f"the run had 1 replica, which exchanges nothing: predicting N = {n} "
+                f"replicas (pass -N to choose another)")
     if n < 1:
         raise NetsimError(f"replicas must be >= 1, got {n}")
     for name, v in (("sync_every", sync_every), ("fragments", fragments), ("wire_bits", wire_bits)):
@@ -505,4 +543,4 @@ def predict_run(
         )
         for m in methods
     ]
-    return Prediction(run=info, bandwidth_bps=bw, latency_s=lat, methods=preds)
+    return Prediction(run=info, bandwidth_bps=bw, latency_s=lat, methods=preds, note=note)

@@ -1,0 +1,175 @@
+"""Issue 38, a new user's first hour: the tools around a run work on every kind of run (static,
+elastic, one replica, not completed), and what cannot work says so in one line, before
+anything is written or printed."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from run_utils import summary, train
+
+from noloco.cli import main
+from noloco.netsim.predict import load_run, predict_run
+
+WORDS = ("the cat sat on a mat and the dog ran far away from home while birds sang in "
+         "old green trees").split()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """A one-replica run and an elastic two-replica DiLoCo run on a few KB of words (~20 s)."""
+    root = tmp_path_factory.mktemp("first_hour")
+    rng = random.Random(0)
+    data = root / "words.txt"
+    data.write_text(" ".join(rng.choice(WORDS) for _ in range(3000)))
+    out = {"data": data, "single": root / "single", "elastic": root / "elastic"}
+    assert train(out["single"], data, "--method", "single", "--steps", "4",
+                 "--eval-every", "2", "--checkpoint-every", "0") == 0
+    assert train(out["elastic"], data, "--method", "diloco", "--replicas", "2",
+                 "--sync-every", "2", "--steps", "4", "--elastic") == 0
+    return out
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("noloco: error: ")
+    return err[0]
+
+
+def _unfinished(tmp_path: Path, run: Path, status: dict, metrics_lines: int) -> Path:
+    """A copy of ``run`` as a run that stopped early: its config, its first metrics lines
+    and the summary such a run leaves (its status alone, no results)."""
+    out = tmp_path / status["status"]
+    out.mkdir()
+    shutil.copy(run / "config.json", out / "config.json")
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)[:metrics_lines]
+    if lines:
+        (out / "metrics.jsonl").write_text("".join(lines))
+    (out / "summary.json").write_text(json.dumps(status))
+    return out
+
+
+# ---- 1. noloco report ------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_report_reads_elastic_one_replica_and_unfinished_runs(runs, tmp_path, capsys) -> None:
+    # Elastic summaries key per-replica numbers by replica ("0", "1"); static ones are lists.
+    stopped = _unfinished(tmp_path, runs["single"],
+                          {"status": "interrupted", "last_step": 3, "reason": "interrupted"}, 1)
+    started = _unfinished(tmp_path, runs["elastic"], {"status": "running", "last_step": 0}, 0)
+    out = tmp_path / "report"
+    assert main(["report", str(runs["elastic"]), str(runs["single"]), str(stopped),
+                 str(started), "--out", str(out)]) == 0
+    rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")
+            for r in (out / "report.md").read_text().splitlines() if r.startswith("| ")}
+    s = summary(runs["elastic"])
+    el = rows["elastic"]
+    assert el[1:4] == ["diloco", "2", "1"] and el[8] == f"{s['final_val_loss']:.4f}"
+    mean_sent = sum(s["bytes_sent_per_replica"].values()) / 2
+    assert el[10] == f"{mean_sent / 1e6:,.1f}" and float(el[10]) > 0
+    one = rows["single"]
+    assert one[1:3] == ["single", "1"] and one[9] == "—"  # no spread over one replica
+    # a run that stopped: its settings from config.json, its last evaluation (step 0)
+    first = json.loads((runs["single"] / "metrics.jsonl").read_text().splitlines()[0])
+    cut = rows["interrupted (interrupted at step 3)"]
+    assert cut[1] == "single" and cut[8] == f"{first['val_loss']:.4f} (step 0)"
+    assert rows["running (running at step 0)"][1:3] == ["diloco", "2"]
+    assert rows["running (running at step 0)"][8] == "—"
+    capsys.readouterr()
+
+
+# ---- 2. missing extras: refused before anything is written -----------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag, modules, extra", [
+    ("--tensorboard", ("tensorboard", "torch.utils.tensorboard"), "noloco[tb]"),
+    ("--wandb", ("wandb",), "noloco[wandb]")])
+def test_a_logger_without_its_extra_is_refused_before_the_run_starts(
+        runs, tmp_path, monkeypatch, capsys, flag, modules, extra) -> None:
+    for m in modules:  # None in sys.modules: its import raises ImportError
+        monkeypatch.setitem(sys.modules, m, None)
+    out = tmp_path / "run"
+    assert train(out, runs["data"], "--method", "single", "--steps", "2", flag) == 2
+    line = _err_line(capsys)
+    assert flag in line and extra in line
+    assert not out.exists()  # the same command without the flag is not refused
+
+
+@pytest.mark.timeout(60)
+def test_netsim_plot_problems_are_found_before_the_table(tmp_path, monkeypatch, capsys) -> None:
+    assert main(["netsim", "latency", "--plot", str(tmp_path / "no" / "x.png")]) == 2
+    assert capsys.readouterr().out == ""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["netsim", "blocking", "--plot", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().out == ""
+    assert main(["netsim", "blocking", "--plot", str(tmp_path / "x.png")]) == 2
+    assert "noloco[plot]" in _err_line(capsys)
+    assert not (tmp_path / "x.png").exists()
+
+
+# ---- 3. damaged final weights ----------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_damaged_final_weights_are_one_line(runs, tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(runs["single"], run)
+    weights = next((run / "model").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    assert main(["generate", str(run), "--prompt", "x", "--max-tokens", "2"]) != 0
+    line = _err_line(capsys)
+    assert line.startswith(f"noloco: error: cannot read model weights {weights}: ")
+    pytest.importorskip("transformers")
+    assert main(["export", str(run), str(tmp_path / "hf")]) != 0
+    assert _err_line(capsys).startswith("noloco: error: cannot read model weights")
+    assert not (tmp_path / "hf").exists()
+
+
+# ---- 4. netsim predict on a run's own summary ------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_predict_for_a_one_replica_run_predicts_several(runs, capsys) -> None:
+    from noloco.netsim.predict import ONE_REPLICA_DEFAULT
+
+    pred = predict_run(runs["single"], "1Gbit", "50ms")
+    assert {m.replicas for m in pred.methods} == {ONE_REPLICA_DEFAULT}
+    ddp = next(m for m in pred.methods if m.method == "ddp")
+    assert ddp.bytes_sent_per_replica > 0  # N = 1 exchanges nothing: every row was 0 MB
+    assert "-N" in pred.note
+    assert main(["netsim", "predict", str(runs["single"]), "-b", "1Gbit"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("note: the run had 1 replica, which exchanges nothing")
+    # asked for N = 1: that is what it gets, without a note
+    one = predict_run(runs["single"], "1Gbit", 0, replicas=1)
+    assert {m.replicas for m in one.methods} == {1} and one.note is None
+
+
+@pytest.mark.timeout(120)
+def test_predict_reads_an_elastic_run(runs, tmp_path, capsys) -> None:
+    run = runs["elastic"]
+    s = summary(run)
+    pred = predict_run(run, "1Gbit", 0, methods=("diloco",))
+    # the run's own method: the run's own bytes (its summary keys them by replica)
+    assert pred.methods[0].bytes_sent_per_replica == s["bytes_sent_per_replica"]["0"]
+    assert pred.measured["bytes_sent_per_replica"] == s["bytes_sent_per_replica"]["0"]
+    workers = [json.loads(f.read_text()) for f in sorted((run / "metrics").glob("*.json"))]
+    assert len(workers) == 2
+    assert load_run(run).compute_seconds == pytest.approx(
+        sum(w["compute_seconds"] for w in workers) / 2)
+    assert main(["netsim", "predict", str(run), "-b", "1Gbit"]) == 0
+    capsys.readouterr()
+    # without the workers' files: one line saying what is missing
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run / "summary.json", bare / "summary.json")
+    assert main(["netsim", "predict", str(bare), "-b", "1Gbit"]) == 2
+    assert "lacks compute_seconds" in _err_line(capsys)
+    # a run that did not complete measured nothing to predict from
+    stopped = _unfinished(tmp_path, runs["single"], {"status": "interrupted", "last_step": 1}, 1)
+    assert main(["netsim", "predict", str(stopped), "-b", "1Gbit"]) == 2
+    assert "did not complete (status 'interrupted')" in _err_line(capsys)
