@@ -173,3 +173,34 @@ def test_predict_reads_an_elastic_run(runs, tmp_path, capsys) -> None:
     stopped = _unfinished(tmp_path, runs["single"], {"status": "interrupted", "last_step": 1}, 1)
     assert main(["netsim", "predict", str(stopped), "-b", "1Gbit"]) == 2
     assert "did not complete (status 'interrupted')" in _err_line(capsys)
+
+
+# ---- 5. flags are spelt out; counts agree with their nouns -----------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, flag", [
+    (["train", "--method", "single", "--step", "5"], "--step"),  # was taken as --steps 5
+    (["report", "--ou", "x", "run"], "--ou"),  # a subcommand's flag (report --out)
+    (["netsim", "latency", "--work", "3"], "--work"),  # a nested subcommand's (--workers)
+])
+def test_an_abbreviated_flag_is_refused(argv, flag, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert f"unrecognized arguments: {flag}" in _err_line(capsys)
+    assert not any(tmp_path.iterdir())  # nothing was trained nor written
+
+
+def test_counts_of_one_are_singular() -> None:
+    from noloco.config import ConfigError
+    from noloco.distributed import Layout, check_device, cuda_devices
+    from noloco.errors import plural
+
+    assert (plural(1, "worker"), plural(2, "worker"), plural(0, "GPU")) == (
+        "1 worker", "2 workers", "0 GPUs")
+    if cuda_devices() == 0:
+        with pytest.raises(ConfigError, match=r"needs one GPU per local worker: 1 worker, 0 GPUs"):
+            check_device("cuda", 1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match=r"--stages 1 = 1 worker$"):
+            Layout.from_env(1, 1)

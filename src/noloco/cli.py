@@ -34,6 +34,13 @@ EXIT_USAGE = 2
 
 
 class ArgParser(argparse.ArgumentParser):
+    """Every noloco parser and subparser: one-line errors, and no abbreviated flags (argparse
+    would take ``--step 5`` as ``--steps 5`` without a word; a flag is spelt out or refused)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw["allow_abbrev"] = False
+        super().__init__(*args, **kw)
+
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints two)
         self.exit(EXIT_USAGE, f"noloco: error: {message}\n")
 

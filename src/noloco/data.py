@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from noloco.errors import plural
+
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst", ".text", ".json", ".jsonl", ".csv", ".tex",
                  ".html", ".xml", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ""}
 VAL_MODULUS = 20  # one document in 20 (by name hash) is validation
@@ -265,7 +267,7 @@ class ShardedReader:
         if self.per_replica < 1:
             raise DataError(
                 f"training data holds {num_sequences(tokens, seq_len)} sequences of {seq_len} "
-                f"tokens: too few for {world} replicas"
+                f"tokens: too few for {plural(world, 'replica')}"
             )
         self.epoch, self.cursor = 0, 0
         self._order = self._shard(0)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from noloco import data as data_mod
 from noloco.comm import Communicator, NullCommunicator, TorchCommunicator
 from noloco.config import Config, ConfigError
+from noloco.errors import plural
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Layout:
         world = int(os.environ.get("WORLD_SIZE", 1))
         if world != replicas * stages:
             raise ConfigError(f"world size {world} does not match --replicas {replicas} x "
-                              f"--stages {stages} = {replicas * stages} workers")
+                              f"--stages {stages} = {plural(replicas * stages, 'worker')}")
         return cls(rank=rank, world=world,
                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                    replica=rank // stages, stage=rank % stages, replicas=replicas,
@@ -79,8 +80,8 @@ def check_device(spec: str, local_world: int) -> None:
     """ConfigError if ``--device cuda`` cannot be honoured (one GPU per local worker)."""
     n = cuda_devices()
     if spec == "cuda" and n < local_world:
-        raise ConfigError(f"--device cuda needs one GPU per local worker: {local_world} "
-                          f"workers, {n} GPUs visible")
+        raise ConfigError(f"--device cuda needs one GPU per local worker: "
+                          f"{plural(local_world, 'worker')}, {plural(n, 'GPU')} visible")
 
 
 def pick_device(spec: str, local_rank: int, local_world: int = 1) -> torch.device:

@@ -4,6 +4,11 @@ them may raise one without importing what raises it elsewhere."""
 from __future__ import annotations
 
 
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 worker``, ``2 workers``: a count with its noun, as a user reads it."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"
+
+
 class ConfigError(ValueError):
     """An impossible or malformed configuration (reported as one line, exit code 2)."""
 

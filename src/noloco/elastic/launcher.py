@@ -37,7 +37,7 @@ from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
 from noloco.elastic.status import STORE_FILE, Dashboard
 from noloco.elastic.worker import combine, replica_metrics
-from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT
+from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, plural
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir, write_json_atomic
 
@@ -205,8 +205,9 @@ class ElasticSupervisor(Supervisor):
         per = summary["final_val_loss_per_replica"]
         lost = f", {len(self.failures)} failure(s)" if self.failures else ""
         here = "" if len(self.local) == self.replicas else " here"
-        print(f"done: elastic {summary['method']}, {len(finished)} of {len(self.local)} replicas"
-              f"{here} finished{lost} in {summary['wall_seconds']:.1f} s\n"
+        print(f"done: elastic {summary['method']}, {len(finished)} of "
+              f"{plural(len(self.local), 'replica')}{here} finished{lost} in "
+              f"{summary['wall_seconds']:.1f} s\n"
               f"  validation loss {summary['final_val_loss']:.4f} (replicas "
               f"{min(per.values()):.4f}–{max(per.values()):.4f}), weight spread "
               f"{summary['weight_spread']:.2e}\n"

@@ -33,6 +33,7 @@ from noloco.elastic.keys import (
     settings_key,
 )
 from noloco.elastic.membership import probe, read
+from noloco.errors import plural
 from noloco.stop import StopEvent
 
 STATES = ("training", "joining", "behind", "late", "dead", "finished", "absent")
@@ -114,7 +115,7 @@ def table(run: dict[str, Any]) -> str:
                       _fmt(row["val_loss"], ".4f"), _fmt(row["blocked"], ".1f"),
                       _fmt(row["joins"]), _fmt(row["restarts"])])
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
-    text = [f"run {run['run_id']}, epoch {run['epoch']}: {run['replicas']} replicas"
+    text = [f"run {run['run_id']}, epoch {run['epoch']}: {plural(run['replicas'], 'replica')}"
             + (f" x {run['stages']} stages" if staged else "")]
     text += ["  ".join(c.rjust(w) if i != (2 if staged else 1) else c.ljust(w)
                        for i, (c, w) in enumerate(zip(x, widths, strict=True))) for x in lines]

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from noloco.errors import plural
 from noloco.netsim.blocking import BlockingResult, blocking_sweep
 from noloco.netsim.latency import LatencyPoint, NetsimError, latency_sweep
 from noloco.netsim.predict import METHODS, Prediction, predict_run
@@ -37,7 +38,12 @@ EXIT_USAGE = 2
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line error and exit code 2 (argparse itself prints the usage too)."""
+    """argparse with a one-line error and exit code 2 (argparse itself prints the usage too),
+    and no abbreviated flags (``--band`` is refused, not taken as ``--bandwidth``)."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw["allow_abbrev"] = False
+        super().__init__(*args, **kw)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USAGE, f"noloco: error: {message}\n")
@@ -217,7 +223,8 @@ def _run_churn(ns: argparse.Namespace) -> int:
              r.noloco_steps_per_second / r.diloco_steps_per_second) for r in results]
     text = format_table(["MTBF", "failures", "NoLoCo steps/s", "DiLoCo steps/s",
                          "NoLoCo util", "DiLoCo util", "NoLoCo/DiLoCo"], rows)
-    text += (f"\n\n{ns.workers} replicas, H = {ns.sync_every}, {ns.outer_steps} outer steps; "
+    text += (f"\n\n{plural(ns.workers, 'replica')}, H = {ns.sync_every}, "
+             f"{ns.outer_steps} outer steps; "
              f"inner steps LogNormal(mu={ns.mu}, sigma^2={ns.sigma2}); peer timeout "
              f"{ns.timeout:g}, back {ns.rejoin_delay:g} after a failure (time unit: the step "
              f"times'); steps/s: inner steps kept, all replicas, per unit of time")
@@ -245,7 +252,8 @@ def plot_churn(results: list[Any], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     r0 = rs[0]
-    ax.set_title(f"Churn: {r0.workers} replicas, H={r0.sync_every}, timeout {r0.timeout:g}")
+    ax.set_title(f"Churn: {plural(r0.workers, 'replica')}, H={r0.sync_every}, "
+                 f"timeout {r0.timeout:g}")
     _save(plt, fig, path)
 
 
