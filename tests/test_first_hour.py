@@ -204,3 +204,25 @@ def test_counts_of_one_are_singular() -> None:
         mp.setenv("WORLD_SIZE", "2")
         with pytest.raises(ConfigError, match=r"--stages 1 = 1 worker$"):
             Layout.from_env(1, 1)
+
+
+# ---- 6. the closing advice on more steps ----------------------------------------------------
+
+@pytest.mark.timeout(120)
+def test_the_advice_on_more_steps_keeps_to_the_schedule(runs, tmp_path, capsys) -> None:
+    from noloco.metrics import Progress
+
+    capsys.readouterr()
+    # A schedule that ended with the run: resuming would train at lr/10, and the line says so.
+    Progress(enabled=True, total=4).final(summary(runs["single"]), "runs/x", 4)
+    out = capsys.readouterr().out
+    assert "noloco train --resume runs/x --steps 8 would train on at the final learning rate" \
+        in out and "train anew with --steps 8 --overwrite" in out
+    # A schedule planned further: resume up to its end, the command that continues well.
+    out = tmp_path / "planned"
+    assert train(out, runs["data"], "--method", "single", "--steps", "2", "--schedule-steps",
+                 "6", "--eval-every", "2", "--checkpoint-every", "2") == 0
+    said = capsys.readouterr().out
+    assert f"noloco train --resume {out} --steps 6   (to the end of its learning-rate " \
+           f"schedule, --schedule-steps 6)" in said
+    assert "final learning rate" not in said

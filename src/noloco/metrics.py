@@ -197,8 +197,11 @@ class Progress:
         if self.bar is not None:
             self.bar.stop()
 
-    def final(self, summary: dict[str, Any], out: str) -> None:
-        """A short human summary of a completed run, and the next commands to try."""
+    def final(self, summary: dict[str, Any], out: str, schedule_steps: int | None = None
+              ) -> None:
+        """A short human summary of a completed run, and the next commands to try.
+        ``schedule_steps``: where the run's learning-rate schedule ends (its --schedule-steps,
+        which a resume cannot change)."""
         s = summary
         per = s["final_val_loss_per_replica"]
         spread = (f" (replicas {min(per):.4f}–{max(per):.4f})" if len(per) > 1 else "")
@@ -214,10 +217,24 @@ class Progress:
             f"{s['compute_utilisation']:.3f}",
             f"  files: {out}/ (summary.json, metrics.jsonl, config.json, model/, checkpoints/)",
             f"  next: noloco report {out}   (a table and plots of this run, or of several)",
-            f"        noloco train --resume {out} --steps {2 * s['steps']}   |   "
-            f"noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
+            f"        noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
+            f"        {more_steps(out, s['steps'], schedule_steps)}",
         ]
         print("\n".join(lines), flush=True)
+
+
+def more_steps(out: str, steps: int, schedule_steps: int | None) -> str:
+    """The advice on training a completed run further. A resume keeps the run's
+    --schedule-steps (it is part of the run's math): past its end the learning rate stays at
+    its floor (lr/10), which trains little, so the advice is the resume only while the
+    schedule has steps left, and otherwise says what a resume would do and what does better."""
+    if schedule_steps is not None and schedule_steps > steps:
+        return (f"noloco train --resume {out} --steps {schedule_steps}   (to the end of its "
+                f"learning-rate schedule, --schedule-steps {schedule_steps})")
+    return (f"noloco train --resume {out} --steps {2 * steps} would train on at the final "
+            f"learning rate (lr/10: the schedule ended at step {steps}); for {2 * steps} steps "
+            f"train anew with --steps {2 * steps} --overwrite (or plan a pause ahead with "
+            f"--schedule-steps)")
 
 
 def summary_writer() -> Any:

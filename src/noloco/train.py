@@ -416,7 +416,7 @@ class Trainer:
         summary = run_summary(self, rec)
         if lay.rank == 0:
             self.rundir.write_summary(summary)
-            log.final(summary, str(t.out))
+            log.final(summary, str(t.out), self.cfg.optim.schedule_steps)
             return summary
         return None
 
