@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from run_utils import summary, train
+from run_utils import SMALL, cli, summary, train, wait_for
 
 from noloco.cli import main
 from noloco.netsim.predict import load_run, predict_run
@@ -226,3 +228,83 @@ def test_the_advice_on_more_steps_keeps_to_the_schedule(runs, tmp_path, capsys) 
     assert f"noloco train --resume {out} --steps 6   (to the end of its learning-rate " \
            f"schedule, --schedule-steps 6)" in said
     assert "final learning rate" not in said
+
+
+# ---- 7. Ctrl-C keeps the work: a checkpoint of the step reached, and advice that works ------
+
+def _interrupt(out: Path, data: Path, *args: str, after: int = 4) -> tuple[int, str]:
+    """``noloco train`` in a fresh process, SIGINT once its progress line shows step
+    ``after``: (exit code, stderr). Checkpoints every 100 steps: none before the signal."""
+    log = out.parent / f"{out.name}.stdout"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "noloco", "train", "--data", str(data), *SMALL,
+             "--steps", "100000", "--checkpoint-every", "100", "--eval-every", "1000",
+             "--log-every", "1", *args, "--out", str(out)],
+            stdout=f, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for(lambda: f"step {after:>6}/" in log.read_text(), 120, f"step {after}")
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("args, world", [
+    (("--method", "single"), 1),  # one process: the worker runs in the CLI's own
+    (("--method", "diloco", "--replicas", "2", "--sync-every", "5"), 2)])  # the launcher's
+def test_an_interrupted_run_resumes_from_the_step_it_reached(runs, tmp_path, args, world
+                                                             ) -> None:
+    from noloco.checkpoint import complete_steps
+
+    out = tmp_path / "early"
+    code, err = _interrupt(out, runs["data"], *args)
+    assert code == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    s = summary(out)
+    step = s["last_step"]
+    assert s["status"] == "interrupted" and 4 <= step < 100
+    # every worker saved the step reached (the same one), and the advice is the resume
+    assert complete_steps(out / "checkpoints", world) == [step]
+    assert s["newest_checkpoint"] == f"checkpoints/step-{step:08d}"
+    assert lines[0] == (f"noloco: interrupted at step {step}; continue with: "
+                        f"noloco train --resume {out}")
+    r = cli("train", "--resume", str(out), "--steps", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    assert f"noloco: resuming from checkpoints/step-{step:08d} (step {step})\n" in r.stderr
+    s = summary(out)
+    assert s["status"] == "completed" and s["resumed_from_step"] == step
+    assert s["steps"] == step + 2
+
+
+def test_the_interrupt_line_never_advises_a_resume_that_fails(tmp_path) -> None:
+    from noloco.checkpoint import interrupted_line, receipt_file
+
+    out = tmp_path / "run"
+    out.mkdir()
+    line = interrupted_line(out, 45, 1)
+    assert line == ("noloco: interrupted at step 45, with no checkpoint to resume from; start "
+                    "again with the same command and --overwrite") and "--resume" not in line
+    receipt = receipt_file(out / "checkpoints", 100, 0)
+    receipt.parent.mkdir(parents=True)
+    receipt.write_text("{}")
+    assert interrupted_line(out, 129, 1) == (
+        f"noloco: interrupted at step 129; its newest checkpoint is of step 100: the resume "
+        f"redoes steps 101-129; continue with: noloco train --resume {out}")
+    assert "no checkpoint" in interrupted_line(out, 129, 2)  # rank 1's is missing
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_says_which_steps_it_redoes(runs, tmp_path, capfd) -> None:
+    out = tmp_path / "crashed"
+    assert train(out, runs["data"], "--method", "ddp", "--replicas", "2", "--steps", "12",
+                 "--checkpoint-every", "5", "--inject-fault", "crash:0@7") != 0
+    assert summary(out)["last_step"] == 7
+    capfd.readouterr()
+    assert main(["train", "--resume", str(out), "--steps", "8"]) == 0
+    err = capfd.readouterr().err
+    assert ("noloco: resuming from checkpoints/step-00000005 (step 5); the run had reached "
+            "step 7: 2 steps (6-7) will be redone") in err, err

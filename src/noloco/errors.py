@@ -3,6 +3,8 @@ them may raise one without importing what raises it elsewhere."""
 
 from __future__ import annotations
 
+import signal
+
 
 def plural(n: int, noun: str, nouns: str | None = None) -> str:
     """``1 worker``, ``2 workers``: a count with its noun, as a user reads it."""
@@ -36,3 +38,11 @@ for ``--coordinator-timeout``: it saved a checkpoint and stopped (not to be resp
 
 class StoreLost(RuntimeError):
     """An elastic worker trained on without its run's store for ``--coordinator-timeout``."""
+
+
+class Interrupted(Exception):
+    """SIGTERM (or SIGINT) asked this worker to stop."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

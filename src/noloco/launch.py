@@ -17,8 +17,10 @@ machine, plus what a user needs from a local run:
   signal, the rank the others' reports name as having stopped answering, ...), and — within
   ``--max-restarts`` — every worker is started again and continues from the newest complete
   checkpoint;
-- Ctrl-C / SIGTERM stop every worker (SIGTERM, then SIGKILL after a grace period) and end the
-  run with one line and exit code 130 / 143;
+- Ctrl-C / SIGTERM stop every worker — SIGINT, on which they agree on a step, checkpoint it
+  and exit; SIGTERM, then SIGKILL, to those still running after a grace period — and end the
+  run with one line (the resume command, where a checkpoint makes it work) and exit code
+  130 / 143;
 - ``summary.json`` always says how the run ended (``status``: completed, failed, interrupted).
 
 Workers run in their own sessions (a Ctrl-C reaches the supervisor only, which stops them in
@@ -134,8 +136,8 @@ class Supervisor:
                     return 0
                 if outcome.kind == "interrupted":
                     self._write_status("interrupted", outcome, attempt)
-                    print(f"noloco: interrupted at step {outcome.last_step}; continue with: "
-                          f"noloco train --resume {self.out}", file=sys.stderr, flush=True)
+                    print(ckpt_mod.interrupted_line(self.out, outcome.last_step, self.world),
+                          file=sys.stderr, flush=True)
                     return outcome.code
                 newest = self._newest_checkpoint()
                 self.failures.append({"attempt": attempt, "rank": outcome.rank,
@@ -204,7 +206,9 @@ class Supervisor:
         first_at = None
         while True:
             if self.signum is not None:
-                self._stop_all()  # the workers report the step they stopped at
+                self._stop_all(graceful=True)  # the workers report the step they stopped at
+                if all(p.returncode == 0 for p in self.procs.values()):
+                    return Outcome("completed")  # the stop came at the last step
                 reports = self._reports(attempt)
                 return Outcome("interrupted", code=128 + self.signum,
                                last_step=self._last_step(attempt, reports))
@@ -226,8 +230,20 @@ class Supervisor:
         self._stop_all()
         return self._diagnose(attempt, failed, stopped)
 
-    def _stop_all(self) -> None:
-        """SIGTERM (and SIGCONT, for a stopped worker), then SIGKILL after STOP_SECONDS."""
+    def _stop_all(self, graceful: bool = False) -> None:
+        """SIGTERM (and SIGCONT, for a stopped worker), then SIGKILL after STOP_SECONDS.
+        ``graceful``: SIGINT first, on which the workers stop at a step they agree on and
+        checkpoint it (:meth:`noloco.train.Trainer.agree_stop_step`), within STOP_SECONDS."""
+        if graceful:
+            alive = [p for p in self.procs.values() if p.poll() is None]
+            for p in alive:
+                for sig in (signal.SIGINT, signal.SIGCONT):
+                    with contextlib.suppress(ProcessLookupError):
+                        p.send_signal(sig)
+            deadline = time.monotonic() + STOP_SECONDS
+            for p in alive:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
         alive = [p for p in self.procs.values() if p.poll() is None]
         for p in alive:
             for sig in (signal.SIGTERM, signal.SIGCONT):
@@ -259,6 +275,10 @@ class Supervisor:
 
     def _last_step(self, attempt: int, reports: dict[int, dict[str, Any]]) -> int:
         steps = [r.get("step", 0) for r in reports.values()]
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            # rank 0 keeps it at least as new as its last log, evaluation or checkpoint (a
+            # lone worker has no store to report or beat in)
+            steps.append(int(RunDir(self.out).read_summary().get("last_step") or 0))
         for rank in range(self.world):
             hb = self._read(heartbeat_key(attempt, rank))
             if hb:

@@ -8,7 +8,9 @@ the same machine and thread count).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import sys
 import time
 import zlib
@@ -23,6 +25,7 @@ from noloco import data as data_mod
 from noloco.comm import Communicator, flatten, unflatten_into
 from noloco.config import Config, ConfigError
 from noloco.distributed import DistContext, Layout, make_comms
+from noloco.errors import Interrupted
 from noloco.faults import FaultInjector, parse_faults
 from noloco.methods import build_method
 from noloco.metrics import (
@@ -39,6 +42,10 @@ from noloco.optim import build_inner
 from noloco.rundir import RunDir
 from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
+
+STOP_PAUSE_SECONDS = 0.2
+"""how long a worker asked to stop waits at a step boundary for the others' steps before it
+takes one more step (one may be in a collective that needs this worker to go on)"""
 
 AVERAGED_METHODS = ("diloco", "noloco", "streaming", "sparseloco")
 """methods whose replicas end with different weights: their mean is saved as a model too"""
@@ -198,6 +205,8 @@ class Trainer:
             t.checkpoint_every, t.keep_checkpoints, store=ctx.store)
         self.state = LoopState()
         self.resumed_from: int | None = None
+        self.stop_step: int | None = None
+        """the step every worker stops at after a SIGINT/SIGTERM (once they agreed on it)"""
         self.t_loop = time.perf_counter()
         self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum
         self.param_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -298,7 +307,20 @@ class Trainer:
         if self.lay.rank == 0:
             self.rundir.truncate_metrics(self.state.metric_lines)
             print(f"noloco: resuming from {root.name}/{ckpt_mod.step_dir(root, step).name} "
-                  f"(step {step})", file=sys.stderr, flush=True)
+                  f"(step {step}){self.redone(step)}", file=sys.stderr, flush=True)
+
+    def redone(self, step: int) -> str:
+        """The steps past the checkpoint of ``step`` that the run had already trained (its
+        summary's last step, read before this start overwrites it): trained again now."""
+        try:
+            reached = int(self.rundir.read_summary().get("last_step") or 0)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return ""
+        if reached <= step:
+            return ""
+        n = reached - step
+        return (f"; the run had reached step {reached}: {n} step{'s' * (n > 1)} "
+                f"({step + 1}-{reached}) will be redone")
 
     # ---- evaluation -------------------------------------------------------------------------
     def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
@@ -337,10 +359,16 @@ class Trainer:
                                once=self.ctx.attempt == 0 and self.resumed_from is None)
         log = Progress(enabled=lay.rank == 0, total=t.steps, log_every=t.log_every,
                        start=st.step, show_steps=lay.rank == lay.global_rank(0, lay.stages - 1))
+        running = {"status": "running", "last_step": st.step, "attempt": self.ctx.attempt,
+                   "resumed_from_step": self.resumed_from, "updated_at": time.time()}
         if lay.rank == 0:
-            self.rundir.write_summary({"status": "running", "last_step": st.step,
-                                       "attempt": self.ctx.attempt,
-                                       "resumed_from_step": self.resumed_from})
+            self.rundir.write_summary(running)
+        # A stop waits for the step boundary, where a checkpoint holds the whole state: alone,
+        # or under our launcher, which signals every worker (the workers agree on the step in
+        # its store). Under torchrun a signal may reach some workers only: it stops at once.
+        self.status.graceful = not cfg.method.elastic and (
+            lay.world == 1 or (self.ctx.store is not None
+                               and os.environ.get("NOLOCO_SUPERVISED") == "1"))
         self.t_loop = time.perf_counter()
         comm, method, inner, runner = self.comm, self.method, self.inner, self.runner
         if self.resumed_from is None:
@@ -399,7 +427,66 @@ class Trainer:
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.poll()
             faults.after_step(st.step, self.params, self.comm)
+            if lay.rank == 0 and (last or (t.log_every > 0 and st.step % t.log_every == 0)
+                                  or st.step % t.eval_every == 0 or self.ckpt.due(st.step)):
+                # `noloco status` and other terminals read the step from here
+                running.update(last_step=st.step, updated_at=time.time())
+                self.rundir.write_summary(running)
+            if self.status.stop_signal is not None and st.step < t.steps:
+                self.stop_step = self.stop_step or self.agree_stop_step()
+                if self.stop_step is not None and st.step >= self.stop_step:
+                    self.stop_here()
+        self.status.graceful = False
         return self.end(log)
+
+    def agree_stop_step(self) -> int | None:
+        """The step every worker stops at after a SIGINT/SIGTERM, or None while not all of
+        them have said how far they are (call again at the next step boundary).
+
+        Every worker posts the step it is at into one store key (a compare-and-set, so the
+        posts and the decision are in one order). The post that completes the set fixes the
+        stop step: the largest posted. A worker waits a little at its boundary for the others;
+        past that it posts the next step *before* taking it, so no worker is ever beyond a
+        step it posted, and none can pass the stop step. Those behind train up to it: every
+        collective they still need, the workers ahead of them have already entered."""
+        step = self.state.step
+        store = self.ctx.store
+        if self.lay.world == 1 or store is None:
+            return step
+        key = f"noloco/stop/{self.ctx.attempt}"
+
+        def post(at: int | None) -> int | None:
+            while True:
+                raw = store.get(key) if store.check([key]) else b""
+                posts = json.loads(raw) if raw else {}
+                if "stop_at" in posts:
+                    return int(posts["stop_at"])
+                if at is None:
+                    return None
+                posts[str(self.lay.rank)] = at
+                if len(posts) == self.lay.world:
+                    posts["stop_at"] = max(posts.values())
+                new = json.dumps(posts).encode()
+                if store.compare_set(key, raw.decode(), new.decode()) == new:
+                    return posts.get("stop_at")
+
+        found = post(step)
+        deadline = time.monotonic() + STOP_PAUSE_SECONDS
+        while found is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            found = post(None)
+        return found if found is not None else post(step + 1)
+
+    def stop_here(self) -> None:
+        """Stop at this step boundary (the agreed stop step): its checkpoint first, so that
+        ``--resume`` continues from here (every worker saves the same step)."""
+        self.status.graceful = False  # a second signal from here on stops at once
+        st = self.state
+        if self.ckpt.every > 0:
+            if not self.ckpt.due(st.step):  # else this step's own checkpoint is being written
+                self.ckpt.save(st.step, self.capture())
+            self.ckpt.wait()
+        raise Interrupted(self.status.stop_signal or 2)
 
     def end(self, log: Progress) -> dict[str, Any] | None:
         """After the last inner step: the last checkpoint, the final evaluation, the weights

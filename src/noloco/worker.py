@@ -27,7 +27,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError, Communicator
 from noloco.config import Config, ConfigError
 from noloco.distributed import Layout, init_distributed, limit_threads, pick_device
-from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, StoreLost, Superseded
+from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, Interrupted, StoreLost, Superseded
 from noloco.rundir import RunDir, os_error_line
 from noloco.train import Trainer, check_identical_start
 
@@ -41,6 +41,10 @@ class WorkerStatus:
     out: str = ""
     store: Any = None
     attempt: int = 0
+    graceful: bool = False
+    """set by the training loop while a stop can wait for its next step boundary (where it
+    checkpoints first): the first SIGINT/SIGTERM then only sets :attr:`stop_signal`"""
+    stop_signal: int | None = None
 
 
 def run(cfg: Config, resume: bool = False, must_resume: bool = False,
@@ -140,14 +144,6 @@ def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool,
 
 # ---- how a worker ends ------------------------------------------------------------------------
 
-class Interrupted(Exception):
-    """SIGTERM (or SIGINT) asked this worker to stop."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class QuietExit(Exception):
     """Stop with this exit code; another worker reports why."""
 
@@ -192,9 +188,8 @@ def classify(e: BaseException, status: WorkerStatus) -> tuple[int, str, str, int
                 f"noloco: stopped by {signal.Signals(signum).name} at step {status.step} "
                 f"(torchrun restarts the workers if its --max-restarts allows; else continue "
                 f"with: noloco train --resume {status.out})"), None
-        return 128 + signum, "interrupted", (
-            f"noloco: interrupted at step {status.step}; continue with: "
-            f"noloco train --resume {status.out}"), None
+        return 128 + signum, "interrupted", ckpt_mod.interrupted_line(
+            status.out, status.step, status.lay.world), None
     if isinstance(e, CommError):
         return 1, "comm", f"noloco: error: {e}", e.culprit
     if isinstance(e, (torch.distributed.DistStoreError, torch.distributed.DistNetworkError)):
@@ -223,7 +218,17 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
     status = WorkerStatus(out=cfg.train.out)
     # Only the main thread may install handlers (a test may call main from another).
     handle = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, _raise_interrupted) for s in STOP_SIGNALS} if handle else {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        # Our launcher asks its workers to stop with SIGINT (a user's Ctrl-C or SIGTERM to
+        # it), and to stop at once with SIGTERM (a worker failed: the others must not wait).
+        if (status.graceful and status.stop_signal is None
+                and (signum == signal.SIGINT or not supervised)):
+            status.stop_signal = signum  # the loop checkpoints and stops at its next step
+            return
+        _raise_interrupted(signum, frame)  # a second signal, or outside the loop: now
+
+    previous = {s: signal.signal(s, on_signal) for s in STOP_SIGNALS} if handle else {}
 
     def restore() -> None:
         for s, h in previous.items():
@@ -251,6 +256,9 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
         # finishing on its thread, joined at exit); otherwise back to what the caller had.
         if kind != "interrupted":
             restore()
+        elif handle:
+            for s in STOP_SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
         return code
 
 
