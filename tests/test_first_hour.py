@@ -308,3 +308,41 @@ def test_a_resume_says_which_steps_it_redoes(runs, tmp_path, capfd) -> None:
     err = capfd.readouterr().err
     assert ("noloco: resuming from checkpoints/step-00000005 (step 5); the run had reached "
             "step 7: 2 steps (6-7) will be redone") in err, err
+
+
+# ---- 8. a static run watched from another terminal -------------------------------------------
+
+@pytest.mark.timeout(240)
+def test_status_watches_a_static_run(runs, tmp_path) -> None:
+    out = tmp_path / "watched"
+    log = tmp_path / "stdout"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "noloco", "train", "--data", str(runs["data"]), *SMALL,
+             "--method", "diloco", "--replicas", "2", "--sync-every", "4", "--steps", "100000",
+             "--eval-every", "4", "--log-every", "2", "--out", str(out)],
+            stdout=f, stderr=subprocess.PIPE, text=True)
+        try:
+            # summary.json follows the run (it read "last_step": 0 until the run ended)
+            wait_for(lambda: "step      4 |" in log.read_text(), 120, "an evaluation")
+            step = wait_for(lambda: summary(out)["last_step"], 60, "a step in summary.json")
+            assert summary(out)["status"] == "running"
+            r = cli("status", str(out))
+            assert r.returncode == 0, r.stderr
+            head, *table = r.stdout.splitlines()
+            assert head.startswith(f"run {out}: diloco, 2 replicas, running at step ")
+            assert int(head.split("running at step ")[1].split()[0]) >= step
+            rows = [x.split() for x in table[1:]]
+            assert [x[:2] for x in rows] == [["0", "running"], ["1", "running"]]
+            assert all(float(x[3]) > 0 and int(x[4]) >= 4 for x in rows)  # per-replica loss
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+    r = cli("status", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    js = json.loads(r.stdout)
+    assert js["status"] == "interrupted" and js["step"] == summary(out)["last_step"] >= step
+    assert [row["state"] for row in js["rows"]] == ["interrupted"] * 2
+    r = cli("status", str(runs["single"]))
+    assert r.returncode == 0 and "single, 1 replica, completed at step 4 of 4" in r.stdout

@@ -321,8 +321,9 @@ def add_subparser(sub: Any) -> None:
                        "validation loss, seconds blocked, joins and restarts, and the epoch.")
     p.add_argument("where", metavar="COORDINATOR_OR_RUN_DIR",
                    help="HOST:PORT of a coordinator or etcd://H1:P1,... of an etcd cluster "
-                        "(every run there), or a run directory of an elastic run (its store "
-                        "while it runs; its files after)")
+                        "(every run there), or a run directory: an elastic run's (its store "
+                        "while it runs; its files after), or a static run's (its files: "
+                        "state, step, losses)")
     p.add_argument("--run-id", help="only this run (at a coordinator)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--secret-file", metavar="FILE",
@@ -337,9 +338,11 @@ def run_status(ns: argparse.Namespace) -> int:
     path = Path(where)
     if path.is_dir():
         info = path / STORE_FILE
+        if not info.is_file() and (path / "config.json").is_file():
+            return static_status(path, ns.json)
         if not info.is_file():
-            print(f"noloco: error: {where} is no elastic run directory (no {STORE_FILE})",
-                  file=sys.stderr)
+            print(f"noloco: error: {where} is no elastic run directory (no {STORE_FILE}) nor "
+                  f"a static one (no config.json)", file=sys.stderr)
             return 2
         rec = json.loads(info.read_text())
         address, run_id = rec["address"], rec["run_id"]
@@ -408,4 +411,53 @@ def _from_files(path: Path, as_json: bool) -> int:
            "stages": 1, "rows": rows}
     print(json.dumps([run], indent=1) if as_json else
           table(run) + f"\n(the run is {s.get('status', 'over')}: from its files)")
+    return 0
+
+
+def static_status(path: Path, as_json: bool) -> int:
+    """A static run (no store to ask): what its files say. Rank 0 keeps summary.json's
+    last_step current while it trains (at every log, evaluation and checkpoint), and
+    metrics.jsonl holds every evaluation, each replica's validation loss included."""
+    from noloco.rundir import read_jsonl
+
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        s = json.loads((path / "summary.json").read_text()) if (
+            path / "summary.json").is_file() else {}
+        evals = read_jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
+    except (OSError, ValueError) as e:
+        print(f"noloco: error: cannot read the run in {path}: {e}", file=sys.stderr)
+        return 1
+    m, steps = cfg["method"], cfg["train"]["steps"]
+    state = s.get("status", "starting")
+    done = state == "completed"
+    step = s.get("steps") if done else s.get("last_step")
+    last = evals[-1] if evals else {}
+    per = (s.get("final_val_loss_per_replica") if done else None) or last.get(
+        "val_loss_per_replica") or ([last.get("val_loss")] if m["replicas"] == 1 else [])
+    rows = [{"replica": r, "state": state, "step": step,
+             "val_loss": per[r] if r < len(per) else None,
+             "val_step": steps if done else last.get("step")} for r in range(m["replicas"])]
+    run = {"run": str(path), "method": m["method"], "replicas": m["replicas"],
+           "stages": m["stages"], "status": state, "step": step, "steps": steps,
+           "train_loss": last.get("train_loss"), "updated_at": s.get("updated_at"),
+           "reason": s.get("reason"), "newest_checkpoint": s.get("newest_checkpoint"),
+           "rows": rows}
+    if as_json:
+        print(json.dumps(run, indent=1))
+        return 0
+    stages = f" x {plural(m['stages'], 'stage')}" if m["stages"] > 1 else ""
+    age = (f" (summary.json written {max(time.time() - s['updated_at'], 0):.0f} s ago)"
+           if state == "running" and s.get("updated_at") else "")
+    text = [f"run {path}: {m['method']}, {plural(m['replicas'], 'replica')}{stages}, "
+            f"{state} at step {_fmt(step)} of {steps}{age}"]
+    if s.get("reason") and not done:
+        text.append(f"  {s['reason']}")
+    head = ["replica", "state", "step", "val loss", "at step"]
+    lines = [head] + [[str(r["replica"]), r["state"], _fmt(r["step"]),
+                       _fmt(r["val_loss"], ".4f"), _fmt(r["val_step"])] for r in rows]
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    text += ["  ".join(c.ljust(w) if i == 1 else c.rjust(w)
+                       for i, (c, w) in enumerate(zip(x, widths, strict=True))) for x in lines]
+    print("\n".join(text))
     return 0
