@@ -9,6 +9,11 @@ The built-in model keeps its keys and values (:class:`noloco.model.KVCache`), so
 token costs one position's work while the text fits its context; past it the window slides
 and every token recomputes its window (rotary positions restart with it), as without a cache.
 Hugging Face models sample through transformers' own ``generate()``.
+
+``--device`` (auto, cpu, cuda; auto is the GPU where there is one) holds the model and its key
+and value cache; the weights are read on the CPU (as ``noloco export`` reads them: it needs no
+GPU) and moved there. Each token's logits come back to the CPU to be sampled there with the
+seed's own generator, so a seed picks the same tokens on either device while the logits agree.
 """
 
 from __future__ import annotations
@@ -28,9 +33,33 @@ class _Sampler:
     model whose ``generate()`` samples, or None."""
 
     def __init__(self, logits: Any, encode: Any, decode: Any, context: int,
-                 model: Any = None, hf: Any = None) -> None:
+                 model: Any = None, hf: Any = None, module: Any = None) -> None:
         self.logits, self.encode, self.decode, self.context = logits, encode, decode, context
         self.model, self.hf = model, hf
+        self.module = module
+        """the torch module that holds the weights (moved by :meth:`to`)"""
+        self.device = torch.device("cpu")
+        """where the weights are: token ids are made there"""
+
+    def to(self, device: torch.device) -> _Sampler:
+        if self.module is not None:
+            self.module.to(device)
+        self.device = device
+        return self
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``--device``: cpu, cuda (refused in one line where no GPU is visible) or auto (the
+    first GPU where there is one, else the CPU)."""
+    if spec not in DEVICES:
+        raise ConfigError(f"unknown --device {spec!r} (choose from {', '.join(DEVICES)})")
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if spec == "cuda" and not gpu:
+        raise ConfigError("--device cuda: no GPU is visible to torch (use --device cpu or auto)")
+    return torch.device("cuda") if spec != "cpu" and gpu else torch.device("cpu")
 
 
 def _from_run(path: Path, which: str | None) -> _Sampler:
@@ -54,7 +83,7 @@ def _from_run(path: Path, which: str | None) -> _Sampler:
         context = max_positions(model.config)
         hf_model = model.hf
     return _Sampler(lambda ids: model(ids)[:, -1], lambda t: [int(i) for i in tok.encode(t)],
-                    tok.decode, context, model=builtin, hf=hf_model)
+                    tok.decode, context, model=builtin, hf=hf_model, module=model)
 
 
 def _from_hf(path: Path) -> _Sampler:
@@ -69,10 +98,13 @@ def _from_hf(path: Path) -> _Sampler:
     ctx = getattr(model.config, "max_position_embeddings", 2048)
     return _Sampler(lambda ids: model(ids).logits[:, -1],
                     lambda t: tok.encode(t, add_special_tokens=False),
-                    lambda ids: tok.decode(ids, skip_special_tokens=True), ctx, hf=model)
+                    lambda ids: tok.decode(ids, skip_special_tokens=True), ctx, hf=model,
+                    module=model)
 
 
 def load_sampler(path: str | Path, which: str | None = None) -> _Sampler:
+    """The model of a run or Hugging Face directory, on the CPU (:meth:`_Sampler.to` moves
+    it)."""
     p = Path(path)
     if (p / "model" / "model.json").is_file():
         return _from_run(p, which)
@@ -89,7 +121,7 @@ def _hf_generate(s: _Sampler, ids: list[int], max_tokens: int, temperature: floa
     """transformers' ``generate()`` (its own KV cache); the context is cut as ours is."""
     torch.manual_seed(seed)
     ids = ids[-max(s.context - max_tokens, 1):]
-    x = torch.tensor([ids], dtype=torch.long)
+    x = torch.tensor([ids], dtype=torch.long, device=s.device)
     sampling = dict(do_sample=True, temperature=temperature, top_k=top_k or 0)
     # eos_token_id=None: never stop early, as our own sampler (an end token decodes to nothing)
     out = s.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
@@ -101,12 +133,14 @@ def _hf_generate(s: _Sampler, ids: list[int], max_tokens: int, temperature: floa
 @torch.no_grad()
 def generate(path: str | Path, prompt: str, max_tokens: int = 200, temperature: float = 0.8,
              top_k: int | None = 40, seed: int = 0, which: str | None = None,
-             cache: bool = True) -> str:
+             cache: bool = True, device: str = "auto") -> str:
     """The prompt's continuation (without the prompt). ``cache=False``: recompute the whole
-    window for every token (the built-in model; the same tokens, for comparison)."""
+    window for every token (the built-in model; the same tokens, for comparison). ``device``:
+    auto, cpu or cuda (module docstring)."""
     if max_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
         raise ConfigError("need --max-tokens >= 0, --temperature >= 0 and --top-k >= 1")
-    s = load_sampler(path, which)
+    dev = resolve_device(device)  # before anything is read: a bad --device fails at once
+    s = load_sampler(path, which).to(dev)
     ids = s.encode(prompt) or [0]
     if s.hf is not None and max_tokens > 0:
         return s.decode(_hf_generate(s, ids, max_tokens, temperature, top_k, seed))
@@ -124,11 +158,15 @@ def sample(s: _Sampler, ids: list[int], max_tokens: int, temperature: float,
         window = (ids + new)[-s.context:]
         if kv is not None and len(ids) + len(new) <= s.context:
             # the window still starts at the first token: feed only what the cache lacks
-            x = torch.tensor([window[kv.length:]], dtype=torch.long)
-            logits = s.model(x, kv)[0, -1].float()
+            x = torch.tensor([window[kv.length:]], dtype=torch.long, device=s.device)
+            logits = s.model(x, kv)[0, -1]
         else:  # the window slides (or no cache): recompute it whole
             kv = None
-            logits = s.logits(torch.tensor([window], dtype=torch.long))[0].float()
+            logits = s.logits(torch.tensor([window], dtype=torch.long, device=s.device))[0]
+        # Sampled on the CPU with the seed's CPU generator: one vocabulary-sized copy per
+        # token (the token must come back to extend the window anyway), and a seed draws the
+        # same tokens on every device.
+        logits = logits.float().cpu()
         if temperature == 0:
             nxt = int(logits.argmax())
         else:
@@ -157,11 +195,13 @@ def add_subparser(sub: Any) -> None:
                    "every token instead of keeping keys and values (slower; for comparison)")
     p.add_argument("--which", default=None, help="run directory: 'average' or 'replica-K' "
                    "(default: the average where saved, else replica 0)")
+    p.add_argument("--device", default="auto", help="where the model and its key/value cache "
+                   "run: auto (the GPU where there is one), cpu or cuda (default auto)")
     p.set_defaults(func=_main)
 
 
 def _main(ns: Any) -> int:
     text = generate(ns.path, ns.prompt, ns.max_tokens, ns.temperature, ns.top_k, ns.seed,
-                    ns.which, cache=not ns.no_cache)
+                    ns.which, cache=not ns.no_cache, device=ns.device)
     print(ns.prompt + text)
     return 0

@@ -1,0 +1,86 @@
+"""The device paths of issue 34, as far as a machine without a GPU can check them: ``noloco
+generate --device`` and the smoke run of ``benchmarks/gpu.py``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from run_utils import train
+
+from noloco.cli import main
+from noloco.generate import generate, load_sampler
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gen") / "single"
+    assert train(out, "builtin", "--max-tokens", "100000", "--steps", "4",
+                 "--eval-every", "4", "--checkpoint-every", "0", "--device", "cpu") == 0
+    return out
+
+
+def reference_sample(path: Path, prompt: str, max_tokens: int, temperature: float, top_k: int,
+                     seed: int) -> str:
+    """The sampler as it was before --device (CPU, no key/value cache): every token recomputes
+    the whole window, is sampled from the top-k with a CPU generator of ``seed``."""
+    s = load_sampler(path)
+    g = torch.Generator().manual_seed(seed)
+    ids, new = s.encode(prompt) or [0], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            window = (ids + new)[-s.context:]
+            logits = s.logits(torch.tensor([window], dtype=torch.long))[0].float() / temperature
+            kth = torch.topk(logits, top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+            new.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g)))
+    return s.decode(new)
+
+
+@pytest.mark.timeout(240)
+def test_generate_on_the_cpu_keeps_its_tokens(run, capsys) -> None:
+    cpu = generate(run, "def ", max_tokens=24, seed=7, device="cpu")
+    assert cpu == reference_sample(run, "def ", 24, 0.8, 40, 7)
+    if not torch.cuda.is_available():  # auto is the CPU here
+        assert generate(run, "def ", max_tokens=24, seed=7) == cpu
+    assert main(["generate", str(run), "--prompt", "def ", "--max-tokens", "24", "--seed", "7",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == "def " + cpu + "\n"
+
+
+@pytest.mark.timeout(240)
+def test_generate_on_a_gpu_is_refused_in_one_line_without_one(run, capsys) -> None:
+    assert main(["generate", str(run), "--prompt", "x", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--device" in err
+    if torch.cuda.is_available():  # a GPU here: it must work, and sample the CPU's tokens
+        text = generate(run, "def ", max_tokens=24, seed=7, temperature=0, device="cuda")
+        assert text == generate(run, "def ", max_tokens=24, seed=7, temperature=0,
+                                device="cpu")
+        return
+    assert main(["generate", str(run), "--prompt", "x", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no GPU" in err, err
+
+
+@pytest.mark.timeout(300)
+def test_gpu_benchmark_smoke_run_on_the_cpu(tmp_path) -> None:
+    """benchmarks/gpu.py --quick on the CPU: every step runs tiny and records a result."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--quick", "--device", "cpu",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=280, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "gpu_quick.json").read_text())
+    assert rec["benchmark"] == "gpu" and rec["failed_steps"] == []
+    steps = rec["results"]
+    for name in ("train", "checkpoint", "generate", "codecs"):
+        assert steps[name]["ok"], steps[name]
+    assert steps["train"]["result"]["eager"]["ratio"] > 0
+    assert steps["codecs"]["result"]["gpu"] is None  # said so, not measured
+    assert rec["device"]["cuda"] is False and rec["total_seconds"] > 0
