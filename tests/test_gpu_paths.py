@@ -79,8 +79,45 @@ def test_gpu_benchmark_smoke_run_on_the_cpu(tmp_path) -> None:
     rec = json.loads((tmp_path / "gpu_quick.json").read_text())
     assert rec["benchmark"] == "gpu" and rec["failed_steps"] == []
     steps = rec["results"]
-    for name in ("train", "checkpoint", "generate", "codecs"):
+    for name in ("train_fp32", "train_bf16", "checkpoint", "generate", "codecs"):
         assert steps[name]["ok"], steps[name]
-    assert steps["train"]["result"]["eager"]["ratio"] > 0
+    assert steps["train_fp32"]["result"]["ratio"] > 0
+    assert steps["generate"]["result"]["same_sampled_tokens"]  # cpu against cpu
+    assert set(steps["codecs"]["result"]["inputs"]) == {"randn", "distinct", "zeros"}
     assert steps["codecs"]["result"]["gpu"] is None  # said so, not measured
     assert rec["device"]["cuda"] is False and rec["total_seconds"] > 0
+
+
+def test_gpu_benchmark_explains_a_difference_in_codec_bytes() -> None:
+    """The codec comparison of benchmarks/gpu.py, run here with the CPU on both sides and the
+    'GPU' side altered: a tie broken otherwise, and one scale off by an ulp."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu
+
+    from noloco import quant, sparse
+
+    x = gpu.codec_inputs(1 << 14)["zeros"]
+    cpu = sparse.compress(x, 0.02, 2)
+    same = gpu.compare_topk(x, cpu, cpu, 0.02, 2)
+    assert same["bytes_equal"] and same["index_sets_equal"]
+    assert same["mirror_matches_compress_on_cpu"] and same["same_entries_codes_differing"] == 0
+    # chunk 0 has fewer non-zeros than k: swap one kept zero for another zero
+    row = x[:4096]
+    kept = set(cpu.indices[0].tolist())
+    zero_kept = next(i for i in cpu.indices[0].tolist() if row[i] == 0)
+    zero_free = next(i for i in range(4096) if row[i] == 0 and i not in kept)
+    idx = sorted((kept - {zero_kept}) | {zero_free})
+    other = sparse.Sparse(cpu.numel, cpu.chunk, cpu.bits, cpu.indices.clone(),
+                          cpu.values.clone(), cpu.scales.clone() * (1 + 2**-23))
+    other.indices[0] = torch.tensor(idx)
+    r = gpu.compare_topk(x, cpu, other, 0.02, 2)
+    assert not r["bytes_equal"] and not r["index_sets_equal"]
+    assert r["chunks_with_other_indices"] == 1 and r["positions_in_one_set_only"] == 2
+    assert r["all_index_differences_are_ties"] and r["tied_magnitudes"] == [0.0]
+    assert r["scales_differing"] > 0 and r["scale_max_abs_diff"] > 0
+    q = quant.quantize(x, "fp4")
+    assert gpu.compare_fp4(x, q, q)["bytes_equal"]
+    q2 = quant.Quantized(q.payload.clone(), q.scales.clone(), q.numel, q.fmt, q.block_size)
+    q2.payload[0] ^= 0x01
+    f = gpu.compare_fp4(x, q, q2)
+    assert not f["bytes_equal"] and f["codes_differing"] == 1 and f["examples"][0]["index"] == 0

@@ -1,0 +1,654 @@
+"""noloco on a GPU (issue 34, item 6): one script, one device, every step recorded.
+
+Steps (each in its own try: an error is recorded and the others still run; the script exits
+1 if any step failed or was skipped for time):
+
+- ``train_fp32`` / ``train_bf16`` (/ ``train_compile`` with ``--compile``): a bare PyTorch loop
+  of noloco's own model (``noloco.model.build``, seed 0: random windows of the same tokens,
+  forward, cross-entropy, backward, clip 1.0, AdamW, zero_grad, ``loss.item()``) against
+  ``noloco train --method single`` of the same model, batch and sequence (its real command
+  line, in this process; the progress reporter's step hook notes the time). Steady-state
+  tokens/s of each = tokens per step ÷ the median step time after ``--warmup-steps``; the
+  ratio noloco ÷ bare; the peak GPU memory of each.
+- ``checkpoint``: DiLoCo, one replica, H = ``--sync-every`` (50) for ``--diloco-steps`` (150),
+  with the default checkpointing (every H steps) against ``--checkpoint-every 0``: the wall
+  time of each and the share of the checkpointed run's wall the checkpoints cost.
+- ``generate``: ``--new-tokens`` (200) sampled from the model the checkpoint step trained, on
+  the CPU and on the GPU (``noloco.generate``, key/value cache, the same seed): tokens/s of
+  each, their ratio (issue target ≥ 10×) and whether the texts agree.
+- ``codecs``: FP4 block quantisation (``noloco.quant``) and chunk-wise top-k
+  (``noloco.sparse``, ``--topk``, default 2 % with 2-bit values) of the same random input on
+  CPU and GPU tensors: the time of each, and whether the encoded bytes agree. Three inputs:
+  ``randn``; ``distinct`` (magnitudes a random permutation of distinct exact values: no ties
+  anywhere, so a difference there is rounding); ``zeros`` (99 % exact zeros: chunks with fewer
+  non-zeros than k tie at zero). Where bytes differ it says why: whether the chosen index sets
+  agree (and whether every disagreement is among magnitudes equal to the chunk's k-th largest,
+  i.e. a tie), how far the scales differ, how many codes differ, the same with the GPU
+  quantising the CPU's chosen entries (rounding alone), and whether the decoded tensors agree.
+- the device itself (head of the record): GPU name, capability, memory, torch / CUDA / cuDNN
+  versions; every step records its peak GPU memory.
+
+The JSON record (``benchmarks/common.py``: command, config, machine, versions, date) is written
+after every step, so a run cut short keeps what it measured (``complete`` says whether it
+ended). ``--quick`` runs every step tiny (the tiny preset, a few steps, 64 Ki floats) to check
+the script itself, on the CPU in under a minute; there the generate step compares the CPU with
+itself and the codec step skips the GPU side, saying so.
+
+    PYTHONPATH=src python3 benchmarks/gpu.py --out $OUT                 # GPU, about 4-5 min
+    PYTHONPATH=src python3 benchmarks/gpu.py --quick --device cpu --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+GENERATE_TARGET = 10.0
+"""issue 34: the GPU samples at least 10x as many tokens per second as the CPU"""
+PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where to train and measure (default auto: the GPU where there is one)")
+    p.add_argument("--quick", action="store_true",
+                   help="every step tiny (tiny preset, a few steps): a smoke run of the script")
+    p.add_argument("--preset", default=None, help="model preset (default small; tiny --quick)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (1024)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (8)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps of each throughput run (30; 8 --quick)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="first steps left out of the steady state (5; 2 --quick)")
+    p.add_argument("--sync-every", type=int, default=None, help="DiLoCo H (50; 4 --quick)")
+    p.add_argument("--diloco-steps", type=int, default=None, help="DiLoCo steps (150; 12)")
+    p.add_argument("--new-tokens", type=int, default=None, help="tokens to generate (200; 24)")
+    p.add_argument("--codec-numel", type=int, default=None,
+                   help="floats per codec input (4194304; 65536 --quick)")
+    p.add_argument("--codec-repeats", type=int, default=None, help="timed codec calls (5; 2)")
+    p.add_argument("--topk", default="topk:0.02:2", help="the top-k setting compared "
+                   "(default topk:0.02:2)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="tokens read from the built-in corpus (2000000; 200000 --quick)")
+    p.add_argument("--no-bf16", action="store_true", help="leave the bf16 step out")
+    p.add_argument("--compile", action="store_true", help="also train_compile: both loops "
+                   "through torch.compile (slow to warm up; off by default)")
+    p.add_argument("--budget-s", type=float, default=None, help="steps that would start after "
+                   "this many seconds are skipped (recorded as such; default 330, --quick 240)")
+    p.add_argument("--out", default=None, help="folder for the JSON and PNG (default: the "
+                   "scratch directory, or benchmarks/results/ with --record)")
+    common.add_record_flag(p)
+    a = p.parse_args(argv)
+    quick = {"preset": "tiny", "seq_len": 64, "batch_size": 4, "steps": 8, "warmup_steps": 2,
+             "sync_every": 4, "diloco_steps": 12, "new_tokens": 24, "codec_numel": 1 << 16,
+             "codec_repeats": 2, "max_tokens": 200_000, "budget_s": 240.0}
+    full = {"preset": "small", "seq_len": 1024, "batch_size": 8, "steps": 30, "warmup_steps": 5,
+            "sync_every": 50, "diloco_steps": 150, "new_tokens": 200, "codec_numel": 1 << 22,
+            "codec_repeats": 5, "max_tokens": 2_000_000, "budget_s": 330.0}
+    for k, v in (quick if a.quick else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.steps < a.warmup_steps + 3:
+        p.error("--steps must exceed --warmup-steps by at least 3")
+    for k in ("seq_len", "batch_size", "sync_every", "diloco_steps", "new_tokens",
+              "codec_numel", "codec_repeats", "max_tokens"):
+        if getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.codec_numel >= 1 << 24:
+        p.error("--codec-numel must be below 2^24 (the distinct input's values are exact)")
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU is visible to torch")
+    if a.device == "auto":
+        a.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return a
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+def sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def reset_peak(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_bytes(device: str) -> int | None:
+    import torch
+
+    return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def steady(marks: list[float], warmup: int, tokens_per_step: int) -> dict[str, Any]:
+    """Step times from consecutive end-of-step times, the first ``warmup`` steps left out."""
+    steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][max(warmup - 1, 0):]
+    if not steps:
+        raise RuntimeError(f"no steady-state steps ({len(marks)} marks, warm-up {warmup})")
+    med = statistics.median(steps)
+    return {"tokens_per_second": tokens_per_step / med, "step_seconds": common.quartiles(steps),
+            "mean_tokens_per_second": tokens_per_step * len(steps) / sum(steps)}
+
+
+def device_facts(device: str) -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {
+        "device": device, "cuda": device == "cuda", "torch": torch.__version__,
+        "cuda_version": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    if device == "cuda":
+        prop = torch.cuda.get_device_properties(0)
+        facts.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
+                     capability=list(torch.cuda.get_device_capability(0)),
+                     gpu_memory_bytes=int(prop.total_memory),
+                     multiprocessors=int(prop.multi_processor_count),
+                     bf16_supported=bool(torch.cuda.is_bf16_supported()))
+    return facts
+
+
+# ---- step: training throughput --------------------------------------------------------------
+
+def corpus_tokens(a: argparse.Namespace) -> Any:
+    """The training tokens noloco reads (the built-in corpus, byte tokens), from its cache."""
+    from noloco.data import make_tokenizer
+    from noloco.token_cache import cached_corpus
+
+    corpus, _ = cached_corpus("builtin", make_tokenizer("bytes"), a.seq_len, a.max_tokens)
+    return corpus.train
+
+
+def bare_loop(a: argparse.Namespace, precision: str, compile: bool) -> dict[str, Any]:
+    """noloco's model in the plainest loop: what noloco's own loop is compared with."""
+    import numpy as np
+    import torch
+
+    from noloco.model import autocast, build, lm_loss, preset
+
+    device = torch.device(a.device)
+    tokens = torch.from_numpy(np.asarray(corpus_tokens(a), dtype=np.int64))
+    model = build(preset(a.preset, vocab_size=257), device=device, seed=0)
+    forward = torch.compile(model) if compile else model
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.arange(a.seq_len + 1)
+    marks: list[float] = []
+    reset_peak(a.device)
+    for _ in range(a.steps):
+        starts = torch.randint(len(tokens) - a.seq_len - 1, (a.batch_size, 1), generator=gen)
+        rows = tokens[starts + offsets].to(device)
+        with autocast(device, precision):
+            loss = lm_loss(forward(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # as noloco's loop: the loss comes back every step (a sync on a GPU)
+        marks.append(time.perf_counter())
+    out = steady(marks, a.warmup_steps, a.batch_size * a.seq_len)
+    out.update(peak_gpu_bytes=peak_bytes(a.device), final_loss=float(loss.detach()))
+    del model, forward, opt, params
+    return out
+
+
+def noloco_argv(a: argparse.Namespace, out: Path, *extra: str) -> list[str]:
+    return ["train", "--preset", a.preset, "--data", "builtin", "--max-tokens",
+            str(a.max_tokens), "--batch-size", str(a.batch_size), "--seq-len", str(a.seq_len),
+            "--lr", "1e-3", "--warmup", "0", "--weight-decay", "0", "--grad-clip", "1.0",
+            "--eval-sequences", str(a.batch_size), "--seed", "0", "--device", a.device,
+            "--log-every", "0", "--out", str(out), "--overwrite", *extra]
+
+
+def run_noloco(argv: list[str]) -> tuple[list[float], dict[str, Any], float]:
+    """``noloco train ARGV`` in this process: the time after every inner step, its
+    summary.json and its wall seconds. Its own output is kept out of ours."""
+    from noloco import cli, metrics
+
+    marks: list[float] = []
+    step = metrics.Progress.step
+
+    def timed_step(self: Any, *args: Any, **kw: Any) -> None:
+        marks.append(time.perf_counter())
+        step(self, *args, **kw)
+
+    metrics.Progress.step = timed_step  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = cli.main(argv)
+    finally:
+        metrics.Progress.step = step  # type: ignore[method-assign]
+    wall = time.perf_counter() - t0
+    if rc:
+        raise RuntimeError(f"noloco {' '.join(argv)} exited {rc}")
+    out = Path(argv[argv.index("--out") + 1])
+    return marks, json.loads((out / "summary.json").read_text()), wall
+
+
+def train_step(a: argparse.Namespace, tmp: Path, precision: str, compile: bool
+               ) -> dict[str, Any]:
+    bare = bare_loop(a, precision, compile)
+    free_memory()
+    extra = ["--method", "single", "--steps", str(a.steps), "--eval-every", str(a.steps),
+             "--checkpoint-every", "0", "--precision", precision]
+    reset_peak(a.device)
+    marks, summary, wall = run_noloco(noloco_argv(a, tmp / "single", *extra,
+                                                  *(["--compile"] if compile else [])))
+    noloco = steady(marks, a.warmup_steps, a.batch_size * a.seq_len)
+    noloco.update(peak_gpu_bytes=peak_bytes(a.device), process_wall_seconds=wall,
+                  summary_tokens_per_second=summary["tokens_per_second"],
+                  final_val_loss=summary["final_val_loss"], device=summary["device"],
+                  params=summary["params"])
+    shutil.rmtree(tmp / "single", ignore_errors=True)
+    return {"precision": precision, "compile": compile, "bare": bare, "noloco": noloco,
+            "ratio": noloco["tokens_per_second"] / bare["tokens_per_second"]}
+
+
+# ---- step: checkpoint cost ------------------------------------------------------------------
+
+def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    for name, every in (("no_checkpoints", ["--checkpoint-every", "0"]), ("default", [])):
+        out = tmp / f"diloco_{name}"
+        reset_peak(a.device)
+        _, s, wall = run_noloco(noloco_argv(
+            a, out, "--method", "diloco", "--replicas", "1", "--sync-every", str(a.sync_every),
+            "--steps", str(a.diloco_steps), "--eval-every", str(a.diloco_steps),
+            "--precision", precision, *every))
+        runs[name] = {"process_wall_seconds": wall, "wall_seconds": s["wall_seconds"],
+                      "train_seconds": s["train_seconds"], "peak_gpu_bytes": peak_bytes(a.device),
+                      **{k: v for k, v in s.items() if k.startswith("checkpoint")}}
+        if name == "default":
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # keep only the model
+    d, z = runs["default"]["process_wall_seconds"], runs["no_checkpoints"]["process_wall_seconds"]
+    td, tz = runs["default"]["train_seconds"], runs["no_checkpoints"]["train_seconds"]
+    # whole process (start-up, final evaluation and model save alike in both) and the
+    # training loop alone (evaluations left out; what checkpoints block of it counts)
+    return {"precision": precision, "sync_every": a.sync_every, "steps": a.diloco_steps,
+            "runs": runs, "wall_ratio": d / z, "checkpoint_share_of_wall": (d - z) / d,
+            "train_ratio": td / tz, "checkpoint_share_of_train": (td - tz) / td,
+            "model_run": str(tmp / "diloco_default")}
+
+
+# ---- step: generation -----------------------------------------------------------------------
+
+def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[str, Any]:
+    import torch
+
+    from noloco.generate import load_sampler, resolve_device, sample
+
+    trained = run is not None and (run / "model" / "model.json").is_file()
+    if not trained:  # the checkpoint step failed: a short run of its own
+        run = tmp / "gen_model"
+        run_noloco(noloco_argv(a, run, "--method", "single", "--steps", str(a.warmup_steps + 3),
+                               "--eval-every", "1000", "--checkpoint-every", "0"))
+    sides = ["cpu", "cuda"] if a.device == "cuda" else ["cpu", "cpu"]
+    out: dict[str, Any] = {"model_run": str(run), "trained_by_checkpoint_step": trained,
+                           "new_tokens": a.new_tokens, "cpu_threads": torch.get_num_threads(),
+                           "sides": []}
+    texts = []
+    for dev in sides:
+        s = load_sampler(run).to(resolve_device(dev))
+        ids = s.encode(PROMPT)
+        with torch.no_grad():
+            sample(s, ids, 4, 0.8, 40, seed=1)  # warm-up: kernels, allocator, cuBLAS handles
+            sync(dev)
+            reset_peak(dev)
+            t0 = time.perf_counter()
+            new = sample(s, ids, a.new_tokens, 0.8, 40, seed=0)
+            sync(dev)
+            sec = time.perf_counter() - t0
+            greedy = sample(s, ids, min(a.new_tokens, 32), 0.0, None, seed=0)
+        texts.append((new, greedy))
+        out["sides"].append({"device": dev, "seconds": sec, "tokens_per_second":
+                             a.new_tokens / sec, "peak_gpu_bytes": peak_bytes(dev)})
+        del s
+        free_memory()
+    out["ratio"] = out["sides"][1]["tokens_per_second"] / out["sides"][0]["tokens_per_second"]
+    out["same_sampled_tokens"] = texts[0][0] == texts[1][0]
+    out["same_greedy_tokens"] = texts[0][1] == texts[1][1]
+    out["target_ratio"] = GENERATE_TARGET
+    out["meets_target"] = out["ratio"] >= GENERATE_TARGET if a.device == "cuda" else None
+    out["sample_text"] = bytes(t for t in texts[-1][0] if t < 256).decode("utf-8", "replace")
+    return out
+
+
+# ---- step: exchange codecs on CPU and GPU tensors -------------------------------------------
+
+def codec_inputs(n: int, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    randn = torch.randn(n, generator=g)
+    # magnitudes (k + 1)·2^-22 for a random permutation k of 0..n-1: exact in fp32 (n < 2^24),
+    # all distinct, so top-k has no ties to break; random signs
+    perm = torch.randperm(n, generator=g)
+    sign = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+    distinct = (perm + 1).to(torch.float32) * 2.0**-22 * sign
+    zeros = randn * (torch.rand(n, generator=g) < 0.01)  # ~41 non-zeros per 4096: ties at 0
+    return {"randn": randn, "distinct": distinct, "zeros": zeros}
+
+
+def timed(fn: Callable[[], Any], device: str, repeats: int) -> tuple[Any, dict[str, float]]:
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return out, {"first_seconds": first, "median_seconds": statistics.median(times)}
+
+
+def _nibbles(payload: Any) -> Any:
+    import torch
+
+    return torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1)
+
+
+def compare_fp4(x: Any, cpu: Any, gpu: Any) -> dict[str, Any]:
+    """Where FP4 bytes differ: scales, normalised values and codes."""
+    import torch
+
+    from noloco import quant
+
+    q_c, q_g = cpu, quant.Quantized(gpu.payload.cpu(), gpu.scales.cpu(), gpu.numel, gpu.fmt,
+                                    gpu.block_size)
+    codes_c, codes_g = _nibbles(q_c.payload)[:x.numel()], _nibbles(q_g.payload)[:x.numel()]
+    diff = (codes_c != codes_g).nonzero().flatten()
+    out: dict[str, Any] = {
+        "bytes_equal": torch.equal(quant.to_bytes(q_c), quant.to_bytes(q_g)),
+        "scales_differing": int((q_c.scales != q_g.scales).sum()),
+        "scale_max_abs_diff": float((q_c.scales - q_g.scales).abs().max()),
+        "codes_differing": int(diff.numel()),
+        "decoded_max_abs_diff": float((quant.dequantize(q_c) - quant.dequantize(q_g))
+                                      .abs().max()),
+    }
+    if diff.numel():
+        i = diff[:5]
+        out["examples"] = [{"index": int(j), "x": float(x[j]), "cpu_code": int(codes_c[j]),
+                            "gpu_code": int(codes_g[j])} for j in i]
+    return out
+
+
+def mirror_quantise(rows: Any, idx: Any, bits: int) -> tuple[Any, Any]:
+    """``noloco.sparse.compress``'s quantiser on given kept positions (the same operations in
+    the same order; checked against ``compress`` on the CPU): codes and scales."""
+    import torch
+
+    kept = rows.gather(1, idx)
+    levels = 1 << (bits - 1)
+    scales = kept.abs().amax(dim=1)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    m = torch.floor(kept.abs() / safe[:, None] * levels + 0.5).clamp_(1, levels) - 1
+    codes = m.to(torch.int64) | ((kept < 0).to(torch.int64) << (bits - 1))
+    return codes, scales
+
+
+def compare_topk(x: Any, cpu: Any, gpu: Any, fraction: float, bits: int) -> dict[str, Any]:
+    """Where top-k bytes differ: the index sets (ties or not), scales, codes, and the GPU's
+    quantiser on the CPU's chosen entries (rounding alone)."""
+    import torch
+
+    from noloco import sparse
+
+    c, chunk = cpu.indices.shape[0], cpu.chunk
+    k = cpu.indices.shape[1]
+    flat = torch.zeros(c * chunk)
+    flat[:x.numel()] = x
+    rows = flat.view(c, chunk)
+    gi, gv = gpu.indices.cpu(), gpu.values.cpu()
+    gs = gpu.scales.cpu() if gpu.scales is not None else None
+    g_cpu = sparse.Sparse(gpu.numel, gpu.chunk, gpu.bits, gi, gv, gs)
+    mask_c = torch.zeros(c, chunk, dtype=torch.bool).scatter_(1, cpu.indices, True)
+    mask_g = torch.zeros(c, chunk, dtype=torch.bool).scatter_(1, gi, True)
+    sym = mask_c ^ mask_g
+    kth = rows.abs().topk(k, dim=1).values[:, -1:]  # the chunk's k-th largest magnitude
+    chunks_differ = sym.any(dim=1)
+    same_idx = ~chunks_differ
+    out: dict[str, Any] = {
+        "bytes_equal": torch.equal(sparse.to_bytes(cpu), sparse.to_bytes(g_cpu)),
+        "index_sets_equal": not bool(chunks_differ.any()),
+        "chunks_with_other_indices": int(chunks_differ.sum()),
+        "positions_in_one_set_only": int(sym.sum()),
+        "all_index_differences_are_ties": bool(
+            (rows.abs().expand_as(sym)[sym] == kth.expand_as(sym)[sym]).all()),
+        "tied_magnitudes": sorted({float(v) for v in rows.abs()[sym][:50]}),
+        "decoded_max_abs_diff": float((sparse.decompress(cpu) - sparse.decompress(g_cpu))
+                                      .abs().max()),
+    }
+    if bits < 32:
+        assert cpu.scales is not None and gs is not None
+        out["scales_differing"] = int((cpu.scales != gs).sum())
+        out["scale_max_abs_diff"] = float((cpu.scales - gs).abs().max())
+        out["codes_differing_where_indices_agree"] = int(
+            (cpu.values[same_idx] != gv[same_idx]).sum())
+        # rounding alone: the GPU quantises the entries the CPU chose
+        mc, ms = mirror_quantise(rows, cpu.indices, bits)
+        out["mirror_matches_compress_on_cpu"] = bool(torch.equal(mc, cpu.values)
+                                                     and torch.equal(ms, cpu.scales))
+        dev_rows = rows.to(gpu.indices.device)
+        rc, rs = mirror_quantise(dev_rows, cpu.indices.to(dev_rows.device), bits)
+        out["same_entries_codes_differing"] = int((rc.cpu() != cpu.values).sum())
+        out["same_entries_scales_differing"] = int((rs.cpu() != cpu.scales).sum())
+        out["same_entries_scale_max_abs_diff"] = float((rs.cpu() - cpu.scales).abs().max())
+    return out
+
+
+def codecs_step(a: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from noloco import quant, sparse
+
+    fraction, bits = sparse.parse(a.topk)
+    gpu = a.device == "cuda"
+    out: dict[str, Any] = {"numel": a.codec_numel, "topk": a.topk, "fp4_block": 256,
+                           "gpu": torch.cuda.get_device_name(0) if gpu else None,
+                           "repeats": a.codec_repeats, "inputs": {}}
+    if not gpu:
+        out["note"] = "no GPU: only the CPU side was measured"
+    for name, x in codec_inputs(a.codec_numel).items():
+        res: dict[str, Any] = {}
+        sides = [("cpu", x)] + ([("cuda", x.cuda())] if gpu else [])
+        enc: dict[str, dict[str, Any]] = {"fp4": {}, "topk": {}}
+        for dev, t in sides:
+            enc["fp4"][dev], tf = timed(lambda t=t: quant.quantize(t, "fp4"), dev,
+                                        a.codec_repeats)
+            enc["topk"][dev], tt = timed(lambda t=t: sparse.compress(t, fraction, bits), dev,
+                                         a.codec_repeats)
+            res.setdefault("fp4", {})[f"{dev}_seconds"] = tf
+            res.setdefault("topk", {})[f"{dev}_seconds"] = tt
+        res["fp4"]["bytes"] = enc["fp4"]["cpu"].nbytes
+        res["topk"]["bytes"] = sparse.wire_bytes(x.numel(), fraction, bits)
+        if gpu:
+            res["fp4"].update(compare_fp4(x, enc["fp4"]["cpu"], enc["fp4"]["cuda"]))
+            res["topk"].update(compare_topk(x, enc["topk"]["cpu"], enc["topk"]["cuda"],
+                                            fraction, bits))
+            for codec in ("fp4", "topk"):
+                r = res[codec]
+                r["speedup"] = r["cpu_seconds"]["median_seconds"] / r["cuda_seconds"][
+                    "median_seconds"]
+        out["inputs"][name] = res
+    return out
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, r in results.items():
+        if not r["ok"]:
+            lines.append(f"{name:<14} FAILED: {r['error'].splitlines()[0][:120]}")
+            continue
+        v = r["result"]
+        if name.startswith("train_"):
+            lines.append(f"{name:<14} bare {v['bare']['tokens_per_second']:,.0f} tok/s | noloco "
+                         f"{v['noloco']['tokens_per_second']:,.0f} tok/s | ratio "
+                         f"{v['ratio']:.3f}")
+        elif name == "checkpoint":
+            lines.append(f"{name:<14} with checkpoints: wall x{v['wall_ratio']:.3f} "
+                         f"({100 * v['checkpoint_share_of_wall']:.1f}% of wall), loop "
+                         f"x{v['train_ratio']:.3f} ({100 * v['checkpoint_share_of_train']:.1f}%)")
+        elif name == "generate":
+            s = v["sides"]
+            lines.append(f"{name:<14} {s[0]['device']} {s[0]['tokens_per_second']:,.1f} tok/s | "
+                         f"{s[1]['device']} {s[1]['tokens_per_second']:,.1f} tok/s | ratio "
+                         f"{v['ratio']:.1f} (target {GENERATE_TARGET:g}) | same tokens "
+                         f"{v['same_sampled_tokens']}")
+        elif name == "codecs":
+            for inp, res in v["inputs"].items():
+                parts = []
+                for codec in ("fp4", "topk"):
+                    c = res[codec]
+                    eq = f", bytes equal {c['bytes_equal']}" if "bytes_equal" in c else ""
+                    sp = f", x{c['speedup']:.1f}" if "speedup" in c else ""
+                    parts.append(f"{codec} {1e3 * c['cpu_seconds']['median_seconds']:.1f} ms"
+                                 f"{sp}{eq}")
+                lines.append(f"codecs/{inp:<7} " + " | ".join(parts))
+            if v.get("note"):
+                lines.append(f"codecs         {v['note']}")
+    return lines
+
+
+def plot(rec: dict[str, Any], path: Path) -> None:
+    plt = common.pyplot()
+    if plt is None:
+        return
+    train = {k: v["result"] for k, v in rec["results"].items()
+             if k.startswith("train_") and v["ok"]}
+    gen = rec["results"].get("generate", {})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    names = list(train)
+    xs = range(len(names))
+    axes[0].bar([x - 0.2 for x in xs], [train[n]["bare"]["tokens_per_second"] for n in names],
+                0.4, label="bare PyTorch")
+    axes[0].bar([x + 0.2 for x in xs], [train[n]["noloco"]["tokens_per_second"] for n in names],
+                0.4, label="noloco single")
+    axes[0].set_xticks(list(xs), [n.removeprefix("train_") for n in names])
+    axes[0].set_ylabel("tokens / second")
+    axes[0].set_title(f"training, {rec['config']['preset']}, {rec['device'].get('gpu', 'cpu')}")
+    axes[0].legend()
+    if gen.get("ok"):
+        s = gen["result"]["sides"]
+        axes[1].bar([f"{x['device']} ({i})" for i, x in enumerate(s)],
+                    [x["tokens_per_second"] for x in s])
+        axes[1].set_title(f"generate: {gen['result']['ratio']:.1f}x")
+        axes[1].set_ylabel("tokens / second")
+    common.save_figure(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    import torch
+
+    json_path, png_path = common.out_paths("gpu", a.out, a.quick, a.record)
+    tmp = Path(tempfile.mkdtemp(prefix="noloco-gpu-"))
+    # the token cache beside the runs: nothing is left in the user's cache by a benchmark
+    os.environ.setdefault("NOLOCO_TOKEN_CACHE", str(tmp / "tokens"))
+    rec = common.start_record("gpu", {k: v for k, v in vars(a).items()})
+    rec.update(device=device_facts(a.device), complete=False, results={}, failed_steps=[])
+    bf16 = not a.no_bf16 and (a.device != "cuda" or torch.cuda.is_bf16_supported())
+    fast = "bf16" if bf16 else "fp32"
+    model_run: list[Path | None] = [None]
+
+    def checkpoint() -> dict[str, Any]:
+        r = checkpoint_step(a, tmp, fast)
+        model_run[0] = Path(r["model_run"])
+        return r
+
+    steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("train_fp32", lambda: train_step(a, tmp, "fp32", False))]
+    if bf16:
+        steps.append(("train_bf16", lambda: train_step(a, tmp, "bf16", False)))
+    if a.compile:
+        steps.append(("train_compile", lambda: train_step(a, tmp, fast, True)))
+    steps += [("checkpoint", checkpoint),
+              ("generate", lambda: generate_step(a, tmp, model_run[0])),
+              ("codecs", lambda: codecs_step(a))]
+    try:
+        for name, fn in steps:
+            t0 = time.perf_counter()
+            entry: dict[str, Any] = {"ok": False}
+            if t0 - t_start > a.budget_s:
+                entry["error"] = (f"skipped: {t0 - t_start:.0f} s had passed, over --budget-s "
+                                  f"{a.budget_s:g}")
+            else:
+                print(f"[{t0 - t_start:6.1f} s] {name} ...", flush=True)
+                reset_peak(a.device)
+                try:
+                    entry.update(ok=True, result=fn())
+                except Exception as e:  # noqa: BLE001 - every failure is recorded, then on
+                    entry["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+                    print(f"  {name} failed: {type(e).__name__}: {e}", file=sys.stderr,
+                          flush=True)
+                entry["seconds"] = time.perf_counter() - t0
+                entry["peak_gpu_bytes"] = peak_bytes(a.device)
+                free_memory()
+            rec["results"][name] = entry
+            if not entry["ok"]:
+                rec["failed_steps"].append(name)
+            rec["total_seconds"] = time.perf_counter() - t_start
+            common.write_json(json_path, rec)  # after every step: a cut-short run keeps it
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rec["complete"] = True
+    common.finish_record(rec, rec["results"], time.perf_counter() - t_start)
+    rec["total_seconds"] = time.perf_counter() - t_start
+    common.write_json(json_path, rec)
+    try:
+        plot(rec, png_path)
+    except Exception as e:  # noqa: BLE001 - a plot is a nicety: never fail the record for it
+        print(f"note: no plot ({type(e).__name__}: {e})", file=sys.stderr)
+    dev = rec["device"]
+    print(f"\n{dev.get('gpu', 'cpu')} | torch {dev['torch']} | CUDA {dev['cuda_version']} | "
+          f"{a.preset}, seq {a.seq_len}, batch {a.batch_size}")
+    for line in summary_lines(rec["results"]):
+        print(line)
+    print(f"total {rec['total_seconds']:.1f} s; failed: {rec['failed_steps'] or 'none'}")
+    print(f"wrote {json_path}")
+    return 1 if rec["failed_steps"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
