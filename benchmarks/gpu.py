@@ -92,8 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "through torch.compile (slow to warm up; off by default)")
     p.add_argument("--budget-s", type=float, default=None, help="steps that would start after "
                    "this many seconds are skipped (recorded as such; default 330, --quick 240)")
-    p.add_argument("--out", default=None, help="folder for the JSON and PNG (default: the "
-                   "scratch directory, or benchmarks/results/ with --record)")
+    p.add_argument("--out", "--out-dir", dest="out", default=None, help="folder for the JSON "
+                   "and PNG (default: the scratch directory, or benchmarks/results/ with "
+                   "--record)")
     common.add_record_flag(p)
     a = p.parse_args(argv)
     quick = {"preset": "tiny", "seq_len": 64, "batch_size": 4, "steps": 8, "warmup_steps": 2,
@@ -294,8 +295,8 @@ def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[st
         runs[name] = {"process_wall_seconds": wall, "wall_seconds": s["wall_seconds"],
                       "train_seconds": s["train_seconds"], "peak_gpu_bytes": peak_bytes(a.device),
                       **{k: v for k, v in s.items() if k.startswith("checkpoint")}}
-        if name == "default":
-            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # keep only the model
+        # the checkpointed run's model is the one generate samples from; the rest goes
+        shutil.rmtree(out / "checkpoints" if name == "default" else out, ignore_errors=True)
     d, z = runs["default"]["process_wall_seconds"], runs["no_checkpoints"]["process_wall_seconds"]
     td, tz = runs["default"]["train_seconds"], runs["no_checkpoints"]["train_seconds"]
     # whole process (start-up, final evaluation and model save alike in both) and the
