@@ -22,11 +22,80 @@ if "NOLOCO_TOKEN_CACHE" not in os.environ:
 os.environ.setdefault("NOLOCO_SECRET", secrets.token_hex(32))
 
 REPO = Path(__file__).resolve().parents[1]
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+CORPUS_CHARS = 1_100_000
+"""the size of the tests' training text: as large as the runs of the tests were calibrated on"""
 
 
-@pytest.fixture
-def shakespeare() -> Path:
-    if not SHAKESPEARE.is_file():
-        pytest.skip("../shared/data/tinyshakespeare.txt is not beside this checkout")
-    return SHAKESPEARE
+def make_corpus(path: Path) -> Path:
+    """Write the tests' training text to ``path``: the first CORPUS_CHARS characters of the
+    built-in corpus (Python's standard library in `noloco.data`'s order). Every machine that
+    runs the tests has it, so a fresh clone tests with the same data as CI; the same text on
+    every run of one Python version."""
+    from noloco.data import builtin_documents
+
+    parts, size = [], 0
+    for _, text in builtin_documents():
+        parts.append(text)
+        size += len(text)
+        if size >= CORPUS_CHARS:
+            break
+    path.write_text("".join(parts)[:CORPUS_CHARS], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """One text file of ~1.1 MB for the tests' training runs (see make_corpus)."""
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt")
+
+
+# ---- tiers ----------------------------------------------------------------------------------
+# `pytest -m "not slow"` is the fast tier: unit-level tests, in-process, a few minutes in all.
+# A test that needs processes, namespaces, faketime, etcd or a browser is marked
+# `@pytest.mark.slow("why")` (or a module's `pytestmark`); the reason is required, so the
+# marker says what makes the test slow (tests/README.md).
+
+FAST_TEST_SECONDS = 10.0
+"""a fast-tier test that takes longer is named at the end of the run: mark it slow or trim it"""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow(why): needs processes, namespaces, faketime, etcd or a browser; "
+        "left out of the fast tier (-m 'not slow')")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it is given
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is not None and not (mark.args and isinstance(mark.args[0], str)
+                                     and mark.args[0].strip()):
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.slow needs its reason, "
+                                    f'as in @pytest.mark.slow("4 worker processes")')
+        # Tests that share a module-scoped fixture (a training run, a cluster) run in one
+        # xdist worker (--dist loadgroup), so the fixture is built once, not once per worker.
+        info = getattr(item, "_fixtureinfo", None)
+        if info is not None and any(
+                defs and defs[-1].scope == "module"
+                for defs in (info.name2fixturedefs.get(n) for n in info.names_closure)):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    # The slow tests first (stable within each tier): run in parallel (-n), their long waits
+    # start at once and the short tests fill the gaps at the end instead of trailing them.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+_fast_but_long: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" and report.duration > FAST_TEST_SECONDS \
+            and "slow" not in report.keywords:
+        _fast_but_long.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _fast_but_long:
+        terminalreporter.section("fast-tier tests over their budget")
+        for nodeid, seconds in sorted(_fast_but_long, key=lambda x: -x[1]):
+            terminalreporter.line(f"{seconds:6.1f} s  {nodeid}  (mark it slow, or trim it)")

@@ -95,7 +95,7 @@ class _Impostor:
                 conn.sendall(auth.MAGIC + os.urandom(auth.NONCE))
                 conn.recv(auth.NONCE + auth.MAC)
                 conn.sendall(auth.READY + os.urandom(auth.MAC))
-            time.sleep(5)
+            time.sleep(2)  # silent for longer than the clients' 1 s timeouts
             conn.close()
 
 
@@ -106,12 +106,12 @@ def test_a_coordinator_that_cannot_prove_the_secret_is_refused(monkeypatch):
         auth.check("127.0.0.1", fake.port, SECRET, 5.0)
     silent = _Impostor(greets=False)
     with pytest.raises(OSError, match="did not ask for the run secret in time"):
-        auth.check("127.0.0.1", silent.port, SECRET, 5.0)  # maybe busy: retryable
+        auth.check("127.0.0.1", silent.port, SECRET, 1.0)  # maybe busy: retryable
     # ... but a server that still sends no challenge is no gate: one line, not retried.
     monkeypatch.setattr(auth, "_secret", SECRET)
     monkeypatch.setattr(auth, "_to_coordinator", True)
     with pytest.raises(auth.AuthError, match="did not ask for the run secret .started with"):
-        open_store("127.0.0.1", silent.port, 5.0)
+        open_store("127.0.0.1", silent.port, 1.0)
     fake.sock.close()
     silent.sock.close()
 
@@ -143,6 +143,7 @@ def _coordinator(env: dict, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow("a coordinator process")
 @pytest.mark.timeout(60)
 def test_the_coordinator_creates_a_secret_readable_by_its_owner_and_says_where(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != auth.ENV}
@@ -177,15 +178,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow("a coordinator and elastic worker processes")
 @pytest.mark.timeout(180)
 def test_a_run_with_the_secret_trains_and_a_machine_without_it_stops_in_one_line(
-        tmp_path, shakespeare):
+        tmp_path, corpus):
     port = _free_port()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     coord = _coordinator(env, "--host", "127.0.0.1", "--port", str(port))
     try:
         assert "listening on" in coord.stdout.readline()
-        run = ["train", "--data", str(shakespeare), *SMALL, "--replicas", "2", "--method",
+        run = ["train", "--data", str(corpus), *SMALL, "--replicas", "2", "--method",
                "noloco", "--sync-every", "10", "--steps", "40", "--eval-every", "20",
                "--elastic", "--coordinator", f"127.0.0.1:{port}"]
         r = cli(*run, "--out", str(tmp_path / "member"), timeout=150)

@@ -45,6 +45,7 @@ def test_methods_judge_reads_the_targets() -> None:
     assert not bad["diloco_utilisation_ge_0.9"]
 
 
+@pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(90)
 def test_sync_latency_quick_writes_a_record(tmp_path: Path) -> None:
     proc = subprocess.run(
@@ -70,12 +71,14 @@ def test_sync_latency_quick_writes_a_record(tmp_path: Path) -> None:
     assert (tmp_path / "sync_latency_quick.png").stat().st_size > 1000
 
 
+@pytest.mark.slow("benchmark subprocesses")
 def test_bad_flags_exit_2() -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "sync_latency.py"), "--procs", "3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "even" in proc.stderr
 
 
+@pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(240)
 def test_checkpoint_quick_writes_a_record(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "checkpoint.py"), "--quick",
@@ -93,6 +96,7 @@ def test_checkpoint_quick_writes_a_record(tmp_path: Path) -> None:
     assert 0 < r["kill_to_training_again_seconds"] < 120
 
 
+@pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(120)
 def test_ddp_quick_writes_a_record(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "ddp.py"), "--quick",
@@ -106,6 +110,7 @@ def test_ddp_quick_writes_a_record(tmp_path: Path) -> None:
     assert nl["bytes_sent_per_replica"] > 0 and res["ratio_noloco_over_torch"] > 0
 
 
+@pytest.mark.slow("benchmark subprocesses")
 def test_vs_torchft_without_torchft_is_one_line_exit_2(tmp_path: Path) -> None:
     hide = tmp_path / "torchft"
     hide.mkdir()
@@ -119,6 +124,7 @@ def test_vs_torchft_without_torchft_is_one_line_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "vs_torchft_quick.json").exists()
 
 
+@pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(300)
 def test_vs_torchft_quick_agrees_with_torchft(tmp_path: Path) -> None:
     pytest.importorskip("torchft", reason="torchft is a benchmark-only extra (.[bench])")
@@ -174,6 +180,7 @@ def test_frontier_judges_the_sparse_target_at_each_h() -> None:
     assert not frontier.judge_sparse(sp)["H4/adamw"]["met"]
 
 
+@pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(200)
 def test_startup_and_generate_quick_write_records(tmp_path: Path) -> None:
     for script in ("startup.py", "generate.py"):
@@ -192,6 +199,7 @@ def test_startup_and_generate_quick_write_records(tmp_path: Path) -> None:
     assert gen["same_tokens"] and gen["tokens_per_second"]["cached"] > 0
 
 
+@pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(200)
 def test_payload_mac_quick_writes_a_record(tmp_path: Path) -> None:
     out = subprocess.check_output([sys.executable, str(BENCH / "payload_mac.py"), "--quick",

@@ -74,6 +74,7 @@ def _lossless_rank(rank: int, world: int) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(240)
 def test_a_lossless_compressor_equals_the_dense_method():
     """topk:1.0 at 32 bits sends every entry exactly: DiLoCo, Streaming DiLoCo (fragments,
@@ -114,6 +115,7 @@ def _sparse_rank(rank: int, world: int, spec: str) -> dict:
     return out
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(240)
 def test_sparse_exchanges_keep_replicas_consistent_and_count_their_bytes():
     world, spec = 4, "topk:0.2:4"
@@ -188,14 +190,15 @@ def test_pulled_chunks_are_shared_seeded_and_sized():
         NoLoCo(model, NullCommunicator(), compress="topk:0.5", quantize="fp4")
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("flags", [
     ("--method", "streaming", "--fragments", "2", "--compress", "topk:0.05:4"),
     ("--method", "noloco", "--compress", "topk:0.02:2"),
 ])
-def test_netsim_predicts_a_compressed_runs_bytes_exactly(tmp_path, shakespeare, flags):
+def test_netsim_predicts_a_compressed_runs_bytes_exactly(tmp_path, corpus, flags):
     run = tmp_path / "run"
-    assert cli_train(run, shakespeare, *flags, "--replicas", "2", "--steps", "8",
+    assert cli_train(run, corpus, *flags, "--replicas", "2", "--steps", "8",
                      "--sync-every", "4", "--seq-len", "32", "--eval-every", "8",
                      "--eval-sequences", "2") == 0
     s = summary(run)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from run_utils import SMALL, summary, wait_for
 
+pytestmark = pytest.mark.slow("a coordinator killed and restarted under elastic worker processes")
+
 RUN = [*SMALL, "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
        "--peer-timeout", "3"]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -55,12 +57,12 @@ def no_cpp_dump(text: str) -> None:
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("method", ["noloco", "diloco"])
-def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, shakespeare,
+def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, corpus,
                                                                      method):
     port = free_port()
     # The reference (a static run: its numbers do not depend on timing) runs beside the
     # elastic run, whose steps mostly sleep.
-    ref = subprocess.Popen([sys.executable, "-m", "noloco", "train", "--data", str(shakespeare),
+    ref = subprocess.Popen([sys.executable, "-m", "noloco", "train", "--data", str(corpus),
                             *RUN, "--method", method, "--steps", str(STEPS), "--threads", "1",
                             "--out", str(tmp_path / "ref")], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True, env=ENV)
@@ -69,7 +71,7 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, s
     # Steps of a real model take seconds, not this one's 50 ms: slowed down (it changes no
     # number), the outage of about 7 s is some 60-80 steps of 400, not half the run.
     slow = 3
-    proc = train(out, shakespeare, port, "--method", method, "--steps", str(STEPS),
+    proc = train(out, corpus, port, "--method", method, "--steps", str(STEPS),
                  "--inject-fault", ",".join(f"slow:{r}:{slow}" for r in range(4)))
     try:
         wait_for(lambda: evaluated(out, 2, 40), 200, "replica 2 at step 40")
@@ -114,11 +116,11 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, s
 
 
 @pytest.mark.timeout(200)
-def test_without_the_coordinator_for_the_timeout_replicas_save_and_stop(tmp_path, shakespeare):
+def test_without_the_coordinator_for_the_timeout_replicas_save_and_stop(tmp_path, corpus):
     port = free_port()
     coord = coordinator(port)
     out = tmp_path / "run"
-    proc = train(out, shakespeare, port, "--method", "noloco", "--steps", "100000",
+    proc = train(out, corpus, port, "--method", "noloco", "--steps", "100000",
                  "--coordinator-timeout", "6", "--checkpoint-every", "0")
     try:
         wait_for(lambda: evaluated(out, 0, 20), 120, "replica 0 at step 20")
@@ -138,13 +140,13 @@ def test_without_the_coordinator_for_the_timeout_replicas_save_and_stop(tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_two_runs_share_a_coordinator_without_seeing_each_other(tmp_path, shakespeare):
+def test_two_runs_share_a_coordinator_without_seeing_each_other(tmp_path, corpus):
     """Two runs of the same settings and replica ids at one coordinator: each its own run id.
     Apart, they compute exactly what one alone does (and the same bits as each other)."""
     port = free_port()
     coord = coordinator(port)
     try:
-        procs = {name: train(tmp_path / name, shakespeare, port, "--method", "noloco",
+        procs = {name: train(tmp_path / name, corpus, port, "--method", "noloco",
                              "--steps", "40", "--run-id", name, "--peer-timeout", "10")
                  for name in ("a", "b")}
         errs = {name: p.communicate(timeout=200)[1] for name, p in procs.items()}

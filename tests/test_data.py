@@ -50,9 +50,9 @@ def test_directory_source_split_is_deterministic(tmp_path):
     assert names == sorted(names)
 
 
-def test_single_file_source_holds_out_its_tail(shakespeare):
-    c = D.load_corpus(str(shakespeare), D.ByteTokenizer(), seq_len=64)
-    raw = shakespeare.read_bytes()
+def test_single_file_source_holds_out_its_tail(corpus):
+    c = D.load_corpus(str(corpus), D.ByteTokenizer(), seq_len=64)
+    raw = corpus.read_bytes()
     assert c.train.size + c.val.size == len(raw) + 1  # plus the end-of-document token
     assert 0.04 < c.val.size / (c.train.size + c.val.size) < 0.06
     assert bytes(c.train[:100].astype(np.uint8)) == raw[:100]

@@ -66,6 +66,7 @@ def test_groups_of_a_snapshot_partition_its_members():
 
 # ---- whole runs ---------------------------------------------------------------------------
 
+@pytest.mark.slow("elastic worker processes")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method, streaming", [
     ("noloco", []), ("diloco", []),
@@ -75,13 +76,13 @@ def test_groups_of_a_snapshot_partition_its_members():
     # fragment, with overlap
     ("streaming", ["--fragments", "2", "--overlap-steps", "1", "--compress", "topk:0.05:4"])],
     ids=["noloco", "diloco", "streaming-fp4", "noloco-sparse", "streaming-sparse"])
-def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespeare, method,
+def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, corpus, method,
                                                             streaming):
     runs = {}
     for mode in ("static", "elastic"):
         out = tmp_path / mode
         extra = ["--elastic"] if mode == "elastic" else []
-        r = cli("train", "--data", str(shakespeare), *RUN, "--method", method, "--steps", "40",
+        r = cli("train", "--data", str(corpus), *RUN, "--method", method, "--steps", "40",
                 "--out", str(out), *streaming, *extra)
         assert r.returncode == 0, r.stderr
         runs[mode] = out
@@ -107,10 +108,11 @@ def test_without_failures_elastic_equals_static_bit_for_bit(tmp_path, shakespear
             assert rs["ops"] == {"exchange": 4}
 
 
+@pytest.mark.slow("elastic worker processes, a kill -9")
 @pytest.mark.timeout(300)
-def test_kill9_of_one_replica_the_others_finish(tmp_path, shakespeare):
+def test_kill9_of_one_replica_the_others_finish(tmp_path, corpus):
     out = tmp_path / "run"
-    proc = start(out, shakespeare, "--method", "noloco", "--steps", "100")
+    proc = start(out, corpus, "--method", "noloco", "--steps", "100")
     try:
         wait_for(lambda: evaluated(out, 2, 40), 120, "replica 2 at step 40")
         pid = worker_pids(out)[(2, 0)]
@@ -132,11 +134,12 @@ def test_kill9_of_one_replica_the_others_finish(tmp_path, shakespeare):
     assert not (out / "model" / "replica-2.safetensors").exists()
 
 
+@pytest.mark.slow("elastic worker processes, a stall")
 @pytest.mark.timeout(300)
 def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_path,
-                                                                           shakespeare):
+                                                                           corpus):
     out = tmp_path / "run"
-    proc = start(out, shakespeare, "--method", "noloco", "--steps", "100")
+    proc = start(out, corpus, "--method", "noloco", "--steps", "100")
     try:
         wait_for(lambda: evaluated(out, 2, 40), 120, "replica 2 at step 40")
         pid = worker_pids(out)[(2, 0)]
@@ -158,19 +161,20 @@ def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_
     assert math.isfinite(s["final_val_loss_per_replica"]["2"])
 
 
+@pytest.mark.slow("elastic worker processes, a respawn")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("streaming", [
     [], ["--fragments", "2", "--overlap-steps", "1"],
     # sparse gossip: the donor's error feedback stays the donor's (not sent, not checksummed)
     ["--fragments", "2", "--overlap-steps", "1", "--compress", "topk:0.02:2"]],
     ids=["whole", "fragments-in-flight", "sparse-fragments-in-flight"])
-def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, shakespeare,
+def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, corpus,
                                                                     streaming):
     """With fragments and overlap the donor's state holds an exchange in flight (fragment 0
     starts at the join step and lands one step later): the joiner applies it as the donor
     would have."""
     out = tmp_path / "run"
-    r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", "noloco",
+    r = cli("train", "--data", str(corpus), *RUN, "--elastic", "--method", "noloco",
             "--steps", "120", "--out", str(out), "--inject-fault", "kill:2@40", "--respawn", "1",
             *streaming)
     assert r.returncode == 0, r.stderr
@@ -192,10 +196,11 @@ def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, sh
     assert len(after) >= 2 and after[-1] < after[0]
 
 
+@pytest.mark.slow("elastic worker processes, a kill")
 @pytest.mark.timeout(300)
-def test_diloco_survivors_stay_identical_after_a_death(tmp_path, shakespeare):
+def test_diloco_survivors_stay_identical_after_a_death(tmp_path, corpus):
     out = tmp_path / "run"
-    r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", "diloco",
+    r = cli("train", "--data", str(corpus), *RUN, "--elastic", "--method", "diloco",
             "--steps", "80", "--out", str(out), "--inject-fault", "kill:2@40")
     assert r.returncode == 0, r.stderr
     s = summary(out)
@@ -209,6 +214,7 @@ def test_diloco_survivors_stay_identical_after_a_death(tmp_path, shakespeare):
     assert all(any(e["missing"] == [2] for e in s["events"][r]) for r in ("0", "1", "3"))
 
 
+@pytest.mark.slow("command-line subprocesses")
 @pytest.mark.parametrize("args, message", [
     (["--method", "ddp", "--elastic"],
      "--elastic applies to noloco, diloco, streaming and sparseloco"),
@@ -218,14 +224,15 @@ def test_diloco_survivors_stay_identical_after_a_death(tmp_path, shakespeare):
     (["--method", "noloco", "--respawn", "1"], "--respawn needs --elastic"),
     (["--method", "noloco", "--elastic", "--peer-timeout", "0"], "--peer-timeout must be > 0"),
 ])
-def test_impossible_elastic_settings_are_one_line(tmp_path, shakespeare, args, message):
-    r = cli("train", "--data", str(shakespeare), *SMALL, "--replicas", "4", *args,
+def test_impossible_elastic_settings_are_one_line(tmp_path, corpus, args, message):
+    r = cli("train", "--data", str(corpus), *SMALL, "--replicas", "4", *args,
             "--out", str(tmp_path / "run"), timeout=60)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow("elastic worker processes, a stall")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", [
     ["diloco"],
@@ -234,9 +241,9 @@ def test_impossible_elastic_settings_are_one_line(tmp_path, shakespeare, args, m
     # an all-gather of sparse messages; the healer starts owing nothing, like a joiner
     ["sparseloco"]],
     ids=["diloco", "streaming-fp4", "sparseloco"])
-def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, shakespeare, method):
+def test_diloco_a_stalled_replica_heals_from_the_quorum(tmp_path, corpus, method):
     out = tmp_path / "run"
-    r = cli("train", "--data", str(shakespeare), *RUN, "--elastic", "--method", *method,
+    r = cli("train", "--data", str(corpus), *RUN, "--elastic", "--method", *method,
             "--steps", "200", "--out", str(out), "--inject-fault", f"stall:2@40:{TIMEOUT + 1.5}")
     assert r.returncode == 0, r.stderr
     s = summary(out)
@@ -341,6 +348,7 @@ def all_reduce_roles(n: int, plan: dict, op: str = "all_reduce") -> dict[int, di
             if o.strip()}
 
 
+@pytest.mark.slow("member processes at a store")
 @pytest.mark.timeout(120)
 def test_an_all_reduce_member_lost_midway_then_another_in_the_retry():
     """Four replicas; 3 connects and dies before the all-reduce, then 2 does the same in the
@@ -355,6 +363,7 @@ def test_an_all_reduce_member_lost_midway_then_another_in_the_retry():
         assert x["events"] == ["lost", "absent", "lost", "absent"], x
 
 
+@pytest.mark.slow("member processes at a store")
 @pytest.mark.timeout(120)
 def test_an_all_reduce_that_completed_elsewhere_commits_and_the_broken_member_heals():
     """The collective completes on 0 and 1, which commit and step; 2 breaks after it: the
@@ -365,6 +374,7 @@ def test_an_all_reduce_that_completed_elsewhere_commits_and_the_broken_member_he
     assert res[2]["behind"] and res[2]["value"] == [3.0] and res[2]["events"] == ["behind"]
 
 
+@pytest.mark.slow("member processes at a store")
 @pytest.mark.timeout(120)
 def test_an_all_reduce_aborted_first_is_retried_by_members_that_completed_it():
     """2 breaks at once after the collective; 0 and 1 completed it but report later: the
@@ -378,6 +388,7 @@ def test_an_all_reduce_aborted_first_is_retried_by_members_that_completed_it():
         assert res[r]["attempts"] == [[0, 1, 2], [0, 1, 2]]
 
 
+@pytest.mark.slow("member processes at a store")
 @pytest.mark.timeout(120)
 def test_an_all_gather_member_lost_midway_is_left_out_of_every_members_result():
     """Four replicas gather their messages; 3 connects and dies before the collective: 0, 1
@@ -392,6 +403,7 @@ def test_an_all_gather_member_lost_midway_is_left_out_of_every_members_result():
         assert x["bytes"] == 2 * 1000, x
 
 
+@pytest.mark.slow("member processes at a store")
 @pytest.mark.timeout(120)
 def test_an_all_gather_that_completed_elsewhere_leaves_the_broken_member_its_own_message():
     """The gather completes on 0 and 1, which commit; 2 breaks after it: it holds only its
@@ -401,6 +413,7 @@ def test_an_all_gather_that_completed_elsewhere_leaves_the_broken_member_its_own
     assert res[2]["behind"] and res[2]["value"] == [None, None, [3]], res
 
 
+@pytest.mark.slow("member processes at a store")
 @pytest.mark.timeout(120)
 def test_a_sealed_all_gather_leaves_out_the_member_whose_message_was_altered():
     """With payload MACs, replica 1's message leaves altered after its seal: every member
@@ -419,8 +432,9 @@ def test_a_sealed_all_gather_leaves_out_the_member_whose_message_was_altered():
 STAGES = ["--stages", "2", "--routing", "fixed"]
 
 
+@pytest.mark.slow("elastic worker processes in pipeline stages")
 @pytest.mark.timeout(300)
-def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_path, shakespeare):
+def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_path, corpus):
     """Fixed routing keeps a replica's samples in its own pipeline: its stages are a fault
     domain of their own (a process group per replica), stage s of each replica exchanges with
     stage s of its partners, and a respawned replica's stages all take their state from the
@@ -429,7 +443,7 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
     runs = {}
     for mode, extra in (("static", []), ("elastic", ["--elastic"])):
         runs[mode] = tmp_path / mode
-        r = cli("train", "--data", str(shakespeare), *two, *STAGES, "--method", "noloco",
+        r = cli("train", "--data", str(corpus), *two, *STAGES, "--method", "noloco",
                 "--steps", "40", "--out", str(runs[mode]), *extra)
         assert r.returncode == 0, r.stderr
     a, b = weights(runs["static"]), weights(runs["elastic"])
@@ -445,7 +459,7 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
     assert math.isclose(e["weight_spread"], s["weight_spread"], rel_tol=1e-6, abs_tol=1e-12)
 
     out = tmp_path / "killed"
-    r = cli("train", "--data", str(shakespeare), *two, *STAGES, "--method", "noloco",
+    r = cli("train", "--data", str(corpus), *two, *STAGES, "--method", "noloco",
             "--steps", "100", "--elastic", "--inject-fault", "kill:1@40", "--respawn", "1",
             "--out", str(out))
     assert r.returncode == 0, r.stderr

@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import netns  # noqa: E402
 
 OK, WHY = netns.available()
-pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
+pytestmark = [pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}"),
+              pytest.mark.slow("network namespaces, a coordinator and elastic worker processes")]
 
 
 def start_coordinator(ns: netns.Namespaces, port: int
@@ -51,12 +52,12 @@ def run_machines(ns: netns.Namespaces, host: str, port: int, env: dict[str, str]
 
 
 @pytest.mark.timeout(300)
-def test_two_machines_one_replica_killed_the_others_finish(tmp_path, shakespeare):
+def test_two_machines_one_replica_killed_the_others_finish(tmp_path, corpus):
     port = 29471
     with netns.Namespaces([None, None], prefix="nlce", subnet="10.79.0.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         s0, s1 = run_machines(ns, host, port, env, coord, tmp_path, ("0-1", "2-3"), [
-            "--data", str(shakespeare), "--replicas", "4", "--steps", "60", "--sync-every",
+            "--data", str(corpus), "--replicas", "4", "--steps", "60", "--sync-every",
             "10", "--eval-every", "20", "--peer-timeout", "3", "--inject-fault", "kill:3@30"],
             timeout=240)
     assert s0["replicas_finished"] == [0, 1] and s1["replicas_finished"] == [2]
@@ -69,7 +70,7 @@ def test_two_machines_one_replica_killed_the_others_finish(tmp_path, shakespeare
 
 
 @pytest.mark.timeout(300)
-def test_a_machine_that_crashes_and_comes_back_joins_the_run(tmp_path, shakespeare):
+def test_a_machine_that_crashes_and_comes_back_joins_the_run(tmp_path, corpus):
     """Machine 1 (replicas 2, 3) dies whole — its launcher and workers killed — and its
     command is run again: the store counts the workers' starts, so its replicas join from
     machine 0's live ones instead of starting over."""
@@ -80,7 +81,7 @@ def test_a_machine_that_crashes_and_comes_back_joins_the_run(tmp_path, shakespea
         host, env, coord = start_coordinator(ns, port)
 
         def machine(index: int, ids: str, out: str) -> subprocess.Popen:
-            argv = [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare),
+            argv = [sys.executable, "-m", "noloco", "train", "--data", str(corpus),
                     *SMALL, "--method", "noloco", "--replicas", "4", "--steps", "160",
                     "--sync-every", "10", "--eval-every", "20", "--elastic",
                     "--peer-timeout", "3", "--coordinator", f"{host}:{port}",
@@ -113,24 +114,24 @@ def test_a_machine_that_crashes_and_comes_back_joins_the_run(tmp_path, shakespea
     assert {j["from"] for j in joined} <= {0, 1} and all(j["step"] >= 40 for j in joined)
 
 
-def test_coordinator_and_replica_ids_need_elastic(tmp_path, shakespeare):
+def test_coordinator_and_replica_ids_need_elastic(tmp_path, corpus):
     from run_utils import cli
 
-    r = cli("train", "--data", str(shakespeare), *SMALL, "--replicas", "4", "--method",
+    r = cli("train", "--data", str(corpus), *SMALL, "--replicas", "4", "--method",
             "noloco", "--coordinator", "127.0.0.1:1", "--out", str(tmp_path / "r"), timeout=60)
     assert r.returncode == 2 and "--coordinator and --replica-ids need --elastic" in r.stderr
-    r = cli("train", "--data", str(shakespeare), *SMALL, "--replicas", "4", "--method",
+    r = cli("train", "--data", str(corpus), *SMALL, "--replicas", "4", "--method",
             "noloco", "--elastic", "--replica-ids", "3-5", "--out", str(tmp_path / "r"),
             timeout=60)
     assert r.returncode == 2 and "--replica-ids 3-5 must name distinct replicas" in r.stderr
-    r = cli("train", "--data", str(shakespeare), *SMALL, "--replicas", "4", "--method",
+    r = cli("train", "--data", str(corpus), *SMALL, "--replicas", "4", "--method",
             "noloco", "--elastic", "--coordinator", "nohost", "--out", str(tmp_path / "r"),
             timeout=60)
     assert r.returncode == 2 and "--coordinator must be HOST:PORT" in r.stderr
 
 
 @pytest.mark.timeout(400)
-def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
+def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, corpus):
     """Two machines on 5 Mbit/s links: one NoLoCo exchange (~3.7 MB each way) takes ~3 ×
     --peer-timeout, a join's state transfer (~11 MB) ~9 ×. Arrival is awaited --peer-timeout;
     the transfer itself gets --comm-timeout: every exchange completes and the replica killed
@@ -140,7 +141,7 @@ def test_transfers_slower_than_the_peer_timeout_complete(tmp_path, shakespeare):
     with netns.Namespaces([5e6, 5e6], prefix="nlce", subnet="10.79.2.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         s0, s1 = run_machines(ns, host, port, env, coord, tmp_path, ("0", "1"), [
-            "--data", str(shakespeare), "--replicas", "2", "--steps", "80", "--sync-every",
+            "--data", str(corpus), "--replicas", "2", "--steps", "80", "--sync-every",
             "10", "--eval-every", "40", "--peer-timeout", str(timeout), "--inject-fault",
             # steps of ~0.1 s: the joiner, which receives the tail of the state through
             # the shaper ~1 s after its donor sent it, is a whole operation behind at most

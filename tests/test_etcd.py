@@ -21,7 +21,8 @@ from test_coordinator import ENV, evaluated, free_port, no_cpp_dump
 from noloco.elastic.etcd import EtcdStore, parse_endpoints
 
 OK, WHY = available()
-pytestmark = pytest.mark.skipif(not OK, reason=WHY)
+pytestmark = [pytest.mark.skipif(not OK, reason=WHY),
+              pytest.mark.slow("an etcd cluster of three members, elastic worker processes")]
 
 
 @pytest.fixture(scope="module")
@@ -86,14 +87,14 @@ def test_gloo_meets_through_etcd_and_a_heartbeat_lives_by_its_lease(cluster):
 
 
 @pytest.mark.timeout(400)
-def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, shakespeare):
+def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, corpus):
     """A cluster of its own (a member is killed). The replicas meet only through etcd: no
     noloco coordinator runs. The leading member is killed mid-run — training goes on with no
     event — and replica 2 is killed and started again: it joins from a live one."""
     with Cluster(tmp_path / "etcd") as c:
         out = tmp_path / "run"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+            [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
              "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
              "--peer-timeout", "5", "--method", "noloco", "--steps", "200", "--elastic",
              "--coordinator", c.address, "--replica-ids", "0-3", "--respawn", "1",
@@ -138,7 +139,7 @@ def _enable_auth(c: Cluster, user: str, password: str) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_etcd_authentication_admits_its_users_only(tmp_path, shakespeare):
+def test_etcd_authentication_admits_its_users_only(tmp_path, corpus):
     """With etcd's authentication on, a client needs a user (NOLOCO_ETCD_USER,
     NOLOCO_ETCD_PASSWORD): without one, or with a wrong password, it stops in one line; with
     it the store works, an expired token is fetched again, and a run trains."""
@@ -156,7 +157,7 @@ def test_etcd_authentication_admits_its_users_only(tmp_path, shakespeare):
         store._token = "expired.1"  # as etcd's --auth-token-ttl would leave it
         assert store.add("auth/n", 1) == 6
         store.set_leased("auth/beat", "1")  # leases under the token too
-        run = ["train", "--data", str(shakespeare), *SMALL, "--replicas", "2",
+        run = ["train", "--data", str(corpus), *SMALL, "--replicas", "2",
                "--sync-every", "10", "--eval-every", "20", "--method", "noloco", "--steps", "40",
                "--elastic", "--coordinator", c.address]
         env = {k: v for k, v in ENV.items() if not k.startswith("NOLOCO_ETCD")}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow("the examples run as worker processes")
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -35,7 +37,7 @@ def test_hf_diloco_example(tmp_path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_two_machines_recipe_in_two_network_namespaces(tmp_path, shakespeare) -> None:
+def test_two_machines_recipe_in_two_network_namespaces(tmp_path, corpus) -> None:
     sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
     import netns
 
@@ -44,7 +46,7 @@ def test_two_machines_recipe_in_two_network_namespaces(tmp_path, shakespeare) ->
         pytest.skip(f"no network namespaces here: {why}")
     out = tmp_path / "run"
     flags = ["--steps", "4", "--sync-every", "2", "--batch-size", "2", "--seq-len", "32",
-             "--eval-sequences", "2", "--log-every", "0", "--data", str(shakespeare),
+             "--eval-sequences", "2", "--log-every", "0", "--data", str(corpus),
              "--out", str(out)]
     import os
     with netns.Namespaces([None, None], prefix="nlcx", subnet="10.79.0.0/24") as ns:

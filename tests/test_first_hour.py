@@ -23,17 +23,29 @@ WORDS = ("the cat sat on a mat and the dog ran far away from home while birds sa
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """A one-replica run and an elastic two-replica DiLoCo run on a few KB of words (~20 s)."""
-    root = tmp_path_factory.mktemp("first_hour")
+def words(tmp_path_factory) -> Path:
+    """A few KB of words to train on."""
     rng = random.Random(0)
-    data = root / "words.txt"
+    data = tmp_path_factory.mktemp("first_hour") / "words.txt"
     data.write_text(" ".join(rng.choice(WORDS) for _ in range(3000)))
-    out = {"data": data, "single": root / "single", "elastic": root / "elastic"}
-    assert train(out["single"], data, "--method", "single", "--steps", "4",
-                 "--eval-every", "2", "--checkpoint-every", "0") == 0
-    assert train(out["elastic"], data, "--method", "diloco", "--replicas", "2",
-                 "--sync-every", "2", "--steps", "4", "--elastic") == 0
+    return data
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, words) -> Path:
+    """A one-replica run of 4 steps (in this process: a second or two)."""
+    out = tmp_path_factory.mktemp("first_hour") / "single"
+    assert train(out, words, "--method", "single", "--steps", "4", "--eval-every", "2",
+                 "--checkpoint-every", "0") == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory, words) -> Path:
+    """An elastic two-replica DiLoCo run of 4 steps (worker processes: ~20 s)."""
+    out = tmp_path_factory.mktemp("first_hour") / "elastic"
+    assert train(out, words, "--method", "diloco", "--replicas", "2", "--sync-every", "2",
+                 "--steps", "4", "--elastic") == 0
     return out
 
 
@@ -59,18 +71,20 @@ def _unfinished(tmp_path: Path, run: Path, status: dict, metrics_lines: int) -> 
 
 # ---- 1. noloco report ------------------------------------------------------------------------
 
+@pytest.mark.slow("an elastic run's worker processes")
 @pytest.mark.timeout(120)
-def test_report_reads_elastic_one_replica_and_unfinished_runs(runs, tmp_path, capsys) -> None:
+def test_report_reads_elastic_one_replica_and_unfinished_runs(single, elastic, tmp_path,
+                                                               capsys) -> None:
     # Elastic summaries key per-replica numbers by replica ("0", "1"); static ones are lists.
-    stopped = _unfinished(tmp_path, runs["single"],
+    stopped = _unfinished(tmp_path, single,
                           {"status": "interrupted", "last_step": 3, "reason": "interrupted"}, 1)
-    started = _unfinished(tmp_path, runs["elastic"], {"status": "running", "last_step": 0}, 0)
+    started = _unfinished(tmp_path, elastic, {"status": "running", "last_step": 0}, 0)
     out = tmp_path / "report"
-    assert main(["report", str(runs["elastic"]), str(runs["single"]), str(stopped),
+    assert main(["report", str(elastic), str(single), str(stopped),
                  str(started), "--out", str(out)]) == 0
     rows = {r.split(" | ")[0].lstrip("| "): r.split(" | ")
             for r in (out / "report.md").read_text().splitlines() if r.startswith("| ")}
-    s = summary(runs["elastic"])
+    s = summary(elastic)
     el = rows["elastic"]
     assert el[1:4] == ["diloco", "2", "1"] and el[8] == f"{s['final_val_loss']:.4f}"
     mean_sent = sum(s["bytes_sent_per_replica"].values()) / 2
@@ -78,7 +92,7 @@ def test_report_reads_elastic_one_replica_and_unfinished_runs(runs, tmp_path, ca
     one = rows["single"]
     assert one[1:3] == ["single", "1"] and one[9] == "—"  # no spread over one replica
     # a run that stopped: its settings from config.json, its last evaluation (step 0)
-    first = json.loads((runs["single"] / "metrics.jsonl").read_text().splitlines()[0])
+    first = json.loads((single / "metrics.jsonl").read_text().splitlines()[0])
     cut = rows["interrupted (interrupted at step 3)"]
     assert cut[1] == "single" and cut[8] == f"{first['val_loss']:.4f} (step 0)"
     assert rows["running (running at step 0)"][1:3] == ["diloco", "2"]
@@ -93,11 +107,11 @@ def test_report_reads_elastic_one_replica_and_unfinished_runs(runs, tmp_path, ca
     ("--tensorboard", ("tensorboard", "torch.utils.tensorboard"), "noloco[tb]"),
     ("--wandb", ("wandb",), "noloco[wandb]")])
 def test_a_logger_without_its_extra_is_refused_before_the_run_starts(
-        runs, tmp_path, monkeypatch, capsys, flag, modules, extra) -> None:
+        words, tmp_path, monkeypatch, capsys, flag, modules, extra) -> None:
     for m in modules:  # None in sys.modules: its import raises ImportError
         monkeypatch.setitem(sys.modules, m, None)
     out = tmp_path / "run"
-    assert train(out, runs["data"], "--method", "single", "--steps", "2", flag) == 2
+    assert train(out, words, "--method", "single", "--steps", "2", flag) == 2
     line = _err_line(capsys)
     assert flag in line and extra in line
     assert not out.exists()  # the same command without the flag is not refused
@@ -118,9 +132,9 @@ def test_netsim_plot_problems_are_found_before_the_table(tmp_path, monkeypatch, 
 # ---- 3. damaged final weights ----------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_damaged_final_weights_are_one_line(runs, tmp_path, capsys) -> None:
+def test_damaged_final_weights_are_one_line(single, tmp_path, capsys) -> None:
     run = tmp_path / "run"
-    shutil.copytree(runs["single"], run)
+    shutil.copytree(single, run)
     weights = next((run / "model").glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
     assert main(["generate", str(run), "--prompt", "x", "--max-tokens", "2"]) != 0
@@ -135,25 +149,26 @@ def test_damaged_final_weights_are_one_line(runs, tmp_path, capsys) -> None:
 # ---- 4. netsim predict on a run's own summary ------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_predict_for_a_one_replica_run_predicts_several(runs, capsys) -> None:
+def test_predict_for_a_one_replica_run_predicts_several(single, capsys) -> None:
     from noloco.netsim.predict import ONE_REPLICA_DEFAULT
 
-    pred = predict_run(runs["single"], "1Gbit", "50ms")
+    pred = predict_run(single, "1Gbit", "50ms")
     assert {m.replicas for m in pred.methods} == {ONE_REPLICA_DEFAULT}
     ddp = next(m for m in pred.methods if m.method == "ddp")
     assert ddp.bytes_sent_per_replica > 0  # N = 1 exchanges nothing: every row was 0 MB
     assert "-N" in pred.note
-    assert main(["netsim", "predict", str(runs["single"]), "-b", "1Gbit"]) == 0
+    assert main(["netsim", "predict", str(single), "-b", "1Gbit"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("note: the run had 1 replica, which exchanges nothing")
     # asked for N = 1: that is what it gets, without a note
-    one = predict_run(runs["single"], "1Gbit", 0, replicas=1)
+    one = predict_run(single, "1Gbit", 0, replicas=1)
     assert {m.replicas for m in one.methods} == {1} and one.note is None
 
 
+@pytest.mark.slow("an elastic run's worker processes")
 @pytest.mark.timeout(120)
-def test_predict_reads_an_elastic_run(runs, tmp_path, capsys) -> None:
-    run = runs["elastic"]
+def test_predict_reads_an_elastic_run(single, elastic, tmp_path, capsys) -> None:
+    run = elastic
     s = summary(run)
     pred = predict_run(run, "1Gbit", 0, methods=("diloco",))
     # the run's own method: the run's own bytes (its summary keys them by replica)
@@ -172,7 +187,7 @@ def test_predict_reads_an_elastic_run(runs, tmp_path, capsys) -> None:
     assert main(["netsim", "predict", str(bare), "-b", "1Gbit"]) == 2
     assert "lacks compute_seconds" in _err_line(capsys)
     # a run that did not complete measured nothing to predict from
-    stopped = _unfinished(tmp_path, runs["single"], {"status": "interrupted", "last_step": 1}, 1)
+    stopped = _unfinished(tmp_path, single, {"status": "interrupted", "last_step": 1}, 1)
     assert main(["netsim", "predict", str(stopped), "-b", "1Gbit"]) == 2
     assert "did not complete (status 'interrupted')" in _err_line(capsys)
 
@@ -211,18 +226,18 @@ def test_counts_of_one_are_singular() -> None:
 # ---- 6. the closing advice on more steps ----------------------------------------------------
 
 @pytest.mark.timeout(120)
-def test_the_advice_on_more_steps_keeps_to_the_schedule(runs, tmp_path, capsys) -> None:
+def test_the_advice_on_more_steps_keeps_to_the_schedule(words, single, tmp_path, capsys) -> None:
     from noloco.metrics import Progress
 
     capsys.readouterr()
     # A schedule that ended with the run: resuming would train at lr/10, and the line says so.
-    Progress(enabled=True, total=4).final(summary(runs["single"]), "runs/x", 4)
+    Progress(enabled=True, total=4).final(summary(single), "runs/x", 4)
     out = capsys.readouterr().out
     assert "noloco train --resume runs/x --steps 8 would train on at the final learning rate" \
         in out and "train anew with --steps 8 --overwrite" in out
     # A schedule planned further: resume up to its end, the command that continues well.
     out = tmp_path / "planned"
-    assert train(out, runs["data"], "--method", "single", "--steps", "2", "--schedule-steps",
+    assert train(out, words, "--method", "single", "--steps", "2", "--schedule-steps",
                  "6", "--eval-every", "2", "--checkpoint-every", "2") == 0
     said = capsys.readouterr().out
     assert f"noloco train --resume {out} --steps 6   (to the end of its learning-rate " \
@@ -251,16 +266,16 @@ def _interrupt(out: Path, data: Path, *args: str, after: int = 4) -> tuple[int, 
     return proc.returncode, err
 
 
+@pytest.mark.slow("training subprocesses stopped by SIGINT")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("args, world", [
     (("--method", "single"), 1),  # one process: the worker runs in the CLI's own
     (("--method", "diloco", "--replicas", "2", "--sync-every", "5"), 2)])  # the launcher's
-def test_an_interrupted_run_resumes_from_the_step_it_reached(runs, tmp_path, args, world
-                                                             ) -> None:
+def test_an_interrupted_run_resumes_from_the_step_it_reached(words, tmp_path, args, world) -> None:
     from noloco.checkpoint import complete_steps
 
     out = tmp_path / "early"
-    code, err = _interrupt(out, runs["data"], *args)
+    code, err = _interrupt(out, words, *args)
     assert code == 130, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -297,10 +312,11 @@ def test_the_interrupt_line_never_advises_a_resume_that_fails(tmp_path) -> None:
     assert "no checkpoint" in interrupted_line(out, 129, 2)  # rank 1's is missing
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(180)
-def test_a_resume_says_which_steps_it_redoes(runs, tmp_path, capfd) -> None:
+def test_a_resume_says_which_steps_it_redoes(words, tmp_path, capfd) -> None:
     out = tmp_path / "crashed"
-    assert train(out, runs["data"], "--method", "ddp", "--replicas", "2", "--steps", "12",
+    assert train(out, words, "--method", "ddp", "--replicas", "2", "--steps", "12",
                  "--checkpoint-every", "5", "--inject-fault", "crash:0@7") != 0
     assert summary(out)["last_step"] == 7
     capfd.readouterr()
@@ -312,13 +328,14 @@ def test_a_resume_says_which_steps_it_redoes(runs, tmp_path, capfd) -> None:
 
 # ---- 8. a static run watched from another terminal -------------------------------------------
 
+@pytest.mark.slow("training subprocesses")
 @pytest.mark.timeout(240)
-def test_status_watches_a_static_run(runs, tmp_path) -> None:
+def test_status_watches_a_static_run(words, single, tmp_path) -> None:
     out = tmp_path / "watched"
     log = tmp_path / "stdout"
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "noloco", "train", "--data", str(runs["data"]), *SMALL,
+            [sys.executable, "-m", "noloco", "train", "--data", str(words), *SMALL,
              "--method", "diloco", "--replicas", "2", "--sync-every", "4", "--steps", "100000",
              "--eval-every", "4", "--log-every", "2", "--out", str(out)],
             stdout=f, stderr=subprocess.PIPE, text=True)
@@ -344,5 +361,5 @@ def test_status_watches_a_static_run(runs, tmp_path) -> None:
     js = json.loads(r.stdout)
     assert js["status"] == "interrupted" and js["step"] == summary(out)["last_step"] >= step
     assert [row["state"] for row in js["rows"]] == ["interrupted"] * 2
-    r = cli("status", str(runs["single"]))
+    r = cli("status", str(single))
     assert r.returncode == 0 and "single, 1 replica, completed at step 4 of 4" in r.stdout

@@ -68,6 +68,7 @@ def test_generate_on_a_gpu_is_refused_in_one_line_without_one(run, capsys) -> No
     assert err.count("\n") == 1 and "no GPU" in err, err
 
 
+@pytest.mark.slow("the benchmark's training runs")
 @pytest.mark.timeout(300)
 def test_gpu_benchmark_smoke_run_on_the_cpu(tmp_path) -> None:
     """benchmarks/gpu.py --quick on the CPU: every step runs tiny and records a result."""

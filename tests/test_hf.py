@@ -33,12 +33,13 @@ METHODS = {
 }
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(400)
-def test_every_method_trains_a_hf_llama(tmp_path, shakespeare) -> None:
+def test_every_method_trains_a_hf_llama(tmp_path, corpus) -> None:
     cfg = _tiny_llama(tmp_path / "llama")
     for method, extra in METHODS.items():
         out = tmp_path / method
-        assert train(out, shakespeare, "--hf-model", str(cfg), "--method", method, *extra,
+        assert train(out, corpus, "--hf-model", str(cfg), "--method", method, *extra,
                      "--steps", "4", "--eval-every", "4", "--checkpoint-every", "0") == 0, method
         s = summary(out)
         # embeddings and head (untied), final norm, 2 blocks of attention, MLP and 2 norms
@@ -52,26 +53,27 @@ def test_every_method_trains_a_hf_llama(tmp_path, shakespeare) -> None:
     assert index["model_args"] is None and index["hf_config"]["model_type"] == "llama"
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
-def test_weights_are_loaded_and_export_round_trips(tmp_path, shakespeare) -> None:
+def test_weights_are_loaded_and_export_round_trips(tmp_path, corpus) -> None:
     src = tmp_path / "src"
-    assert train(src, shakespeare, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
+    assert train(src, corpus, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
                  "--steps", "4", "--eval-every", "4", "--checkpoint-every", "0") == 0
     assert main(["export", str(src), str(tmp_path / "hf")]) == 0
     # The exported model, trained further with lr 0: its step-0 evaluation is the source run's
     # final one (same weights, same validation sequences).
     again = tmp_path / "again"
-    assert train(again, shakespeare, "--hf-model", str(tmp_path / "hf"), "--steps", "1",
+    assert train(again, corpus, "--hf-model", str(tmp_path / "hf"), "--steps", "1",
                  "--lr", "0", "--warmup", "0", "--checkpoint-every", "0") == 0
     assert metrics(again)[0]["val_loss"] == pytest.approx(summary(src)["final_val_loss"],
                                                           rel=1e-5)
 
 
-def test_hf_model_bad_input_is_one_line(tmp_path, shakespeare, capsys) -> None:
+def test_hf_model_bad_input_is_one_line(tmp_path, corpus, capsys) -> None:
     cfg = _tiny_llama(tmp_path / "llama", tie=True)
     assert main(["train", "--hf-model", str(cfg), "--stages", "2", "--replicas", "1",
-                 "--data", str(shakespeare), "--out", str(tmp_path / "x")]) == 2
-    assert main(["train", "--hf-model", str(tmp_path / "nowhere"), "--data", str(shakespeare),
+                 "--data", str(corpus), "--out", str(tmp_path / "x")]) == 2
+    assert main(["train", "--hf-model", str(tmp_path / "nowhere"), "--data", str(corpus),
                  "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "input and output embeddings are tied" in err[0]
@@ -100,24 +102,25 @@ def test_llama_stages_chained_give_the_whole_model_s_logits(tmp_path) -> None:
     assert sorted(names) == sorted(n for n, _ in whole.named_parameters())
 
 
+@pytest.mark.slow("worker processes in pipeline stages")
 @pytest.mark.timeout(400)
-def test_a_hf_llama_trains_in_pipeline_stages(tmp_path, shakespeare) -> None:
+def test_a_hf_llama_trains_in_pipeline_stages(tmp_path, corpus) -> None:
     cfg = _tiny_llama(tmp_path / "llama")
     common = ["--hf-model", str(cfg), "--steps", "4", "--eval-every", "4",
               "--checkpoint-every", "0", "--lr", "3e-3"]
     one, two = tmp_path / "one", tmp_path / "two"
-    assert train(one, shakespeare, *common, "--method", "single") == 0
-    assert train(two, shakespeare, *common, "--method", "single", "--stages", "2") == 0
+    assert train(one, corpus, *common, "--method", "single") == 0
+    assert train(two, corpus, *common, "--method", "single", "--stages", "2") == 0
     # The same model, data and optimizer cut in two: the same losses up to float rounding.
     assert summary(two)["final_val_loss"] == pytest.approx(summary(one)["final_val_loss"],
                                                            rel=1e-4)
     noloco = tmp_path / "noloco"
-    assert train(noloco, shakespeare, *common, "--method", "noloco", "--replicas", "2",
+    assert train(noloco, corpus, *common, "--method", "noloco", "--replicas", "2",
                  "--stages", "2", "--sync-every", "2") == 0
     s = summary(noloco)
     assert s["final_val_loss"] < metrics(noloco)[0]["val_loss"] and s["activation_bytes"] > 0
     bf16 = tmp_path / "bf16"  # --precision bf16 through a Hugging Face model's stages
-    assert train(bf16, shakespeare, *common, "--method", "noloco", "--replicas", "2",
+    assert train(bf16, corpus, *common, "--method", "noloco", "--replicas", "2",
                  "--stages", "2", "--sync-every", "2", "--precision", "bf16") == 0
     b = summary(bf16)
     assert b["final_val_loss"] < metrics(bf16)[0]["val_loss"] and b["precision"] == "bf16"

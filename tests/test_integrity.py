@@ -111,7 +111,7 @@ def test_tamper_is_a_fault():
     assert (f.kind, f.replica, f.step) == ("tamper", 1, 20)
 
 
-def _run(tmp_path: Path, name: str, shakespeare: Path, *args: str, steps: int = 60) -> dict:
+def _run(tmp_path: Path, name: str, corpus: Path, *args: str, steps: int = 60) -> dict:
     """4 elastic replicas at a coordinator with the run secret (the suite's NOLOCO_SECRET)."""
     port = free_port()
     coord = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host",
@@ -120,7 +120,7 @@ def _run(tmp_path: Path, name: str, shakespeare: Path, *args: str, steps: int = 
     try:
         assert coord.stdout is not None and "listening on" in coord.stdout.readline()
         r = subprocess.run(
-            [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+            [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
              "--replicas", "4", "--steps", str(steps), "--sync-every", "10", "--eval-every", "30",
              "--elastic", "--peer-timeout", "3", "--threads", "1", "--coordinator",
              f"127.0.0.1:{port}", "--replica-ids", "0-3", "--out", str(tmp_path / name),
@@ -139,15 +139,16 @@ def _forged(s: dict) -> dict[str, set[int]]:
             for r, evs in s["events"].items()}
 
 
+@pytest.mark.slow("elastic worker processes")
 @pytest.mark.timeout(300)
 def test_noloco_drops_altered_exchanges_and_a_joiner_refuses_an_altered_state(tmp_path,
-                                                                            shakespeare):
+                                                                            corpus):
     """Replicas 0 and 1 send altered payloads from step 5 (tamper: after the seal, as a
     machine on the path would). Every partner drops them as from an absent sender; replica 3,
     killed at 25 and respawned, asks the furthest-along replica first (0 or 1: replica 2 is
     slower), refuses its altered state, and joins from replica 2."""
     # slowed (2 s of 1) so that the run outlasts the respawn's start-up on a loaded machine
-    s = _run(tmp_path, "run", shakespeare, "--method", "noloco", "--respawn", "1",
+    s = _run(tmp_path, "run", corpus, "--method", "noloco", "--respawn", "1",
              "--inject-fault", "tamper:0@5,tamper:1@5,slow:0:2,slow:1:2,slow:2:5,kill:3@25",
              steps=120)
     assert s["payload_mac"] and all(v > 0 for v in s["mac_bytes_per_replica"].values())
@@ -162,16 +163,17 @@ def test_noloco_drops_altered_exchanges_and_a_joiner_refuses_an_altered_state(tm
     assert all(math.isfinite(v) for v in s["final_val_loss_per_replica"].values())
 
 
+@pytest.mark.slow("elastic worker processes")
 @pytest.mark.timeout(400)
 def test_quantised_all_reduce_macs_change_no_number_and_leave_a_tamperer_out(tmp_path,
-                                                                            shakespeare):
+                                                                            corpus):
     """Streaming DiLoCo with fp4 messages: sealed and unsealed runs compute the same numbers
     and count the same payload bytes (tags apart). With replica 1's messages altered from
     step 30, its all-reduces fail their MACs on every member, who retry without it (as
     without a member that died) and step together: no outer step is given up."""
     args = ["--method", "streaming", "--fragments", "2", "--quantize", "fp4"]
-    sealed = _run(tmp_path, "sealed", shakespeare, *args)
-    plain = _run(tmp_path, "plain", shakespeare, *args, "--no-payload-mac")
+    sealed = _run(tmp_path, "sealed", corpus, *args)
+    plain = _run(tmp_path, "plain", corpus, *args, "--no-payload-mac")
     assert sealed["payload_mac"] and not plain["payload_mac"]
     assert sealed["final_val_loss_per_replica"] == plain["final_val_loss_per_replica"]
     assert sealed["bytes_sent_per_replica"] == plain["bytes_sent_per_replica"]
@@ -179,7 +181,7 @@ def test_quantised_all_reduce_macs_change_no_number_and_leave_a_tamperer_out(tmp
     assert all(v == 0 for v in plain["mac_bytes_per_replica"].values())
     assert not any(sealed["events"].values())
 
-    hit = _run(tmp_path, "tampered", shakespeare, *args, "--inject-fault", "tamper:1@30")
+    hit = _run(tmp_path, "tampered", corpus, *args, "--inject-fault", "tamper:1@30")
     forged = _forged(hit)
     assert all(forged[r] == {1} for r in ("0", "2", "3")), hit["events"]
     kinds = {e["kind"] for evs in hit["events"].values() for e in evs}

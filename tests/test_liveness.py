@@ -46,6 +46,7 @@ class Clock:
         return self.t
 
 
+@pytest.mark.slow("a monitor thread waits out real timeouts")
 @pytest.mark.timeout(60)
 def test_the_monitor_judges_counters_on_its_own_clock(store):
     members = [Membership(store, r, 3, peer_timeout=2.0) for r in range(3)]
@@ -76,6 +77,7 @@ def test_the_monitor_judges_counters_on_its_own_clock(store):
         m.stop()
 
 
+@pytest.mark.slow("heartbeat threads wait out real timeouts")
 @pytest.mark.timeout(60)
 def test_a_heartbeat_beats_while_the_training_thread_blocks_in_the_store(store):
     m = Membership(store, 0, 1, peer_timeout=1.0).start()
@@ -108,6 +110,7 @@ class Flaky:
         return getattr(self.store, name)
 
 
+@pytest.mark.slow("heartbeat threads wait out real backoffs")
 @pytest.mark.timeout(60)
 def test_a_failing_heartbeat_backs_off_and_beats_again(store, capfd):
     m = Membership(store, 0, 1, peer_timeout=1.0).start()
@@ -145,6 +148,7 @@ print(len(ticks))
 """
 
 
+@pytest.mark.slow("faketime")
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(FAKETIME is None, reason="Debian's faketime is not installed")
 @pytest.mark.parametrize("skew", ["+120s", "-120s"])
@@ -159,13 +163,14 @@ def test_a_periodic_thread_ticks_under_a_faked_clock(skew):
     assert 5 <= int(r.stdout) <= 8, r.stdout
 
 
+@pytest.mark.slow("faketime and elastic worker processes")
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(FAKETIME is None, reason="Debian's faketime is not installed")
-def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path, shakespeare):
+def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path, corpus):
     """Two "machines" (launchers with --replica-ids) at a coordinator on loopback, one 120 s
     ahead and one 120 s behind (libfaketime fakes both its clocks): every replica sends as
     many bytes as in the run of one machine with a true clock — no exchange is skipped."""
-    common = ["--data", str(shakespeare), *SMALL, "--method", "noloco", "--replicas", "4",
+    common = ["--data", str(corpus), *SMALL, "--method", "noloco", "--replicas", "4",
               "--steps", "40", "--sync-every", "10", "--eval-every", "20", "--elastic",
               "--peer-timeout", "3", "--threads", "1"]
     ref = subprocess.run([sys.executable, "-m", "noloco", "train", *common,
@@ -200,8 +205,9 @@ def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path,
     assert got == want and min(got.values()) > 0
 
 
+@pytest.mark.slow("elastic worker processes")
 @pytest.mark.timeout(300)
-def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, shakespeare):
+def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, corpus):
     """One process per replica id: a second launcher with --replica-ids 1 while the first
     (0-1) runs takes replica 1 over; the first one's replica 1 stops in one line and is not
     restarted, the newer one joins from replica 0 and finishes."""
@@ -209,7 +215,7 @@ def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, sha
     coord = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host",
                               "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE,
                              text=True)
-    common = ["--data", str(shakespeare), *SMALL, "--method", "noloco", "--replicas", "2",
+    common = ["--data", str(corpus), *SMALL, "--method", "noloco", "--replicas", "2",
               "--steps", "300", "--sync-every", "10", "--eval-every", "20", "--elastic",
               "--peer-timeout", "3", "--threads", "1", "--coordinator", f"127.0.0.1:{port}",
               "--respawn", "2"]
@@ -246,6 +252,7 @@ def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, sha
     assert "replica 1 joined at step" in err2
 
 
+@pytest.mark.slow("member threads wait out real timeouts")
 @pytest.mark.timeout(60)
 def test_donors_are_never_behind_and_the_checksum_covers_the_outer_momentum(store):
     import torch
@@ -304,9 +311,10 @@ def test_the_stages_of_a_replica_share_one_snapshot(store):
     assert c1.members() == [0, 1, 2]  # the first worker of any stage fixed it for all
 
 
+@pytest.mark.slow("elastic worker processes, a hang")
 @pytest.mark.timeout(300)
 def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_path,
-                                                                             shakespeare):
+                                                                             corpus):
     """hang:2@40:12 stops replica 2's training loop for 4 x --peer-timeout while its heartbeat
     goes on. Progress, not heartbeats, keeps a replica in: the partner that waited for it
     marks it, later snapshots leave it out, so at most two operations of the whole run wait
@@ -315,7 +323,7 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
     timeout = 3.0
     out = tmp_path / "run"
     r = subprocess.run(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
          "--method", "noloco", "--replicas", "4", "--steps", "600", "--sync-every", "10",
          "--eval-every", "200", "--elastic", "--peer-timeout", str(timeout), "--threads", "1",
          "--inject-fault", f"hang:2@40:{4 * timeout}", "--out", str(out)],

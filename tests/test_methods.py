@@ -59,6 +59,7 @@ def _ddp_rank(rank: int, world: int, steps: int) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(180)
 def test_ddp_equals_one_process_with_n_times_batch():
     world, steps = 3, 4
@@ -96,6 +97,7 @@ def _ddp_buckets_rank(rank: int, world: int, steps: int) -> dict:
             "started": started_in_backward, "ops": dict(comm.ops), "bytes": comm.bytes_sent}
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_ddp_buckets_overlap_backward_and_still_equal_one_big_batch():
     world, steps = 2, 3
@@ -139,6 +141,7 @@ def _noloco_vs_diloco_rank(rank: int, world: int) -> tuple[torch.Tensor, torch.T
     return out[0], out[1], ops
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_noloco_one_group_equals_heavy_ball_diloco(world):
@@ -161,6 +164,7 @@ def _diloco_vs_ddp_rank(rank: int, world: int) -> tuple[torch.Tensor, torch.Tens
     return out[0], out[1]
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_diloco_h1_lr1_sgd_equals_ddp():
     for ddp, diloco in run_ranks(_diloco_vs_ddp_rank, 2):
@@ -206,6 +210,7 @@ def _noloco_schedule_rank(rank: int, world: int, gamma: float) -> dict:
             "bytes": comm.bytes_sent, "n_params": n_params}
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("gamma", [0.7, 0.9])
 def test_noloco_uses_no_collective_and_groups_agree(gamma):

@@ -58,6 +58,7 @@ def _leftovers(name: str) -> list[str]:
     return netns.namespaces(name)
 
 
+@pytest.mark.slow("network namespaces")
 @pytest.mark.timeout(60)
 def test_connectivity_and_both_directions_shaped():
     import json
@@ -83,6 +84,7 @@ def test_connectivity_and_both_directions_shaped():
     assert _leftovers(name) == []
 
 
+@pytest.mark.slow("network namespaces")
 @pytest.mark.timeout(30)
 def test_unshaped_link_is_fast():
     # The control for the test above: the same transfer without shaping is far quicker.
@@ -98,6 +100,7 @@ def test_unshaped_link_is_fast():
     assert res["up"] < 0.4 and res["down"] < 0.4, res
 
 
+@pytest.mark.slow("network namespaces")
 @pytest.mark.timeout(30)
 def test_cleanup_after_exception_kills_processes_and_namespaces():
     with pytest.raises(RuntimeError, match="boom"):
@@ -110,6 +113,7 @@ def test_cleanup_after_exception_kills_processes_and_namespaces():
     assert _leftovers(name) == []
 
 
+@pytest.mark.slow("network namespaces")
 @pytest.mark.timeout(30)
 def test_cleanup_on_sigterm(tmp_path):
     code = (
@@ -127,6 +131,7 @@ def test_cleanup_on_sigterm(tmp_path):
     assert _leftovers(name) == []
 
 
+@pytest.mark.slow("network namespaces")
 @pytest.mark.timeout(30)
 def test_stale_cleanup_removes_only_dead_owners():
     dead = subprocess.Popen(["true"])

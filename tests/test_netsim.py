@@ -520,13 +520,14 @@ EXACT_RUNS = {
 }
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(600)
-def test_predict_reproduces_the_bytes_of_real_runs_exactly(tmp_path, shakespeare) -> None:
+def test_predict_reproduces_the_bytes_of_real_runs_exactly(tmp_path, corpus) -> None:
     from run_utils import train
 
     for name, args in EXACT_RUNS.items():
         out = tmp_path / name
-        assert train(out, shakespeare, "--replicas", "2", "--steps", "9", "--preset", "tiny",
+        assert train(out, corpus, "--replicas", "2", "--steps", "9", "--preset", "tiny",
                      "--eval-every", "9", "--checkpoint-every", "0", *args) == 0, name
         pred = predict_run(out, "1Gbit", 0, methods=(load_run(out).method,))
         sent = json.loads((out / "summary.json").read_text())["bytes_sent_per_replica"]

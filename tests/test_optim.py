@@ -57,13 +57,14 @@ def test_state_round_trips_resets_and_refuses_the_other_kind():
     assert set(plain.state_dict()) == {"state", "param_groups"}
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("method", ["ddp", "diloco", "noloco", "streaming"])
-def test_every_method_trains_with_muon(tmp_path, shakespeare, method):
+def test_every_method_trains_with_muon(tmp_path, corpus, method):
     flags = ["--method", method, "--replicas", "2", "--steps", "40", "--sync-every", "10",
              "--eval-every", "40"]
-    assert train(tmp_path / "muon", shakespeare, *flags, "--inner-optimizer", "muon") == 0
-    assert train(tmp_path / "adamw", shakespeare, *flags) == 0
+    assert train(tmp_path / "muon", corpus, *flags, "--inner-optimizer", "muon") == 0
+    assert train(tmp_path / "adamw", corpus, *flags) == 0
     muon, adamw = summary(tmp_path / "muon"), summary(tmp_path / "adamw")
     assert math.isfinite(muon["final_val_loss"]) and muon["final_val_loss"] < 4.5
     assert muon["final_val_loss"] != adamw["final_val_loss"]  # it is another optimizer

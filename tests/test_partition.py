@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import netns  # noqa: E402
 
 OK, WHY = netns.available()
-pytestmark = pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}")
+pytestmark = [pytest.mark.skipif(not OK, reason=f"no network namespaces here: {WHY}"),
+              pytest.mark.slow("network namespaces, a link cut for seconds, elastic workers")]
 
 CUT = 10.0
 """seconds machine 1's link is down (> 3 x the peer timeout)"""
@@ -31,12 +32,12 @@ def records(path: Path) -> list[dict]:
 
 
 def start_machines(ns: netns.Namespaces, host: str, port: int, env: dict[str, str],
-                   outs: list[Path], shakespeare: Path, method: str, steps: int
+                   outs: list[Path], corpus: Path, method: str, steps: int
                    ) -> list[subprocess.Popen]:
     """Machine 0 runs replicas 0-1, machine 1 replicas 2-3, at the coordinator; every step
     slowed to ~0.1 s so the run outlasts the cut."""
     return [ns.popen(m, [sys.executable, "-m", "noloco", "train", *SMALL,
-                         "--data", str(shakespeare), "--method", method,
+                         "--data", str(corpus), "--method", method,
                          "--replicas", "4", "--steps", str(steps), "--sync-every", "10",
                          "--eval-every", "10", "--elastic", "--peer-timeout", str(TIMEOUT),
                          "--comm-timeout", "8",
@@ -56,7 +57,7 @@ def wait_for_step(metrics: Path, step: int, procs: list[subprocess.Popen]) -> No
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("method", ["noloco", "diloco"])
-def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, shakespeare, method):
+def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, method):
     """Machine 0 (the coordinator, replicas 0-1) and machine 1 (replicas 2-3); machine 1's
     link goes down for 10 s mid-run. Machine 0 trains on; machine 1 trains on alone (it
     cannot reach anyone: no snapshot, no agreement of its own — no split brain), comes back
@@ -66,7 +67,7 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, shakespeare
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.4.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        procs = start_machines(ns, host, port, env, outs, shakespeare, method, 300)
+        procs = start_machines(ns, host, port, env, outs, corpus, method, 300)
         wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 60, procs)
         ns.cut(1)
         time.sleep(CUT)
@@ -111,14 +112,14 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, shakespeare
 
 
 @pytest.mark.timeout(300)
-def test_a_machine_cut_off_for_good_finishes_alone(tmp_path, shakespeare):
+def test_a_machine_cut_off_for_good_finishes_alone(tmp_path, corpus):
     """Machine 1's link goes down and stays down: its replicas train on alone to the end
     (NoLoCo needs nobody for its inner steps), exit 0 and list the partition as open."""
     port = 29476
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.5.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        procs = start_machines(ns, host, port, env, outs, shakespeare, "noloco", 120)
+        procs = start_machines(ns, host, port, env, outs, corpus, "noloco", 120)
         wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 30, procs)
         ns.cut(1)
         results = [p.communicate(timeout=240) for p in procs]

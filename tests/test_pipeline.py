@@ -147,6 +147,7 @@ def _simulate(stages: int, microbatches: int, fwd: float = 1.0, bwd: float = 2.0
     return max(clock)
 
 
+@pytest.mark.slow("stage threads")
 @pytest.mark.parametrize("stages,microbatches", [(2, 1), (2, 4), (3, 2), (4, 8), (4, 3)])
 def test_1f1b_schedule_is_complete_deadlock_free_and_has_the_documented_bubble(
         stages, microbatches):
@@ -232,6 +233,7 @@ def _one_replica_two_stages(rank: int, world: int, steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(240)
 def test_two_stages_equal_one_stage_and_random_routing_with_one_replica_equals_fixed():
     steps = 4
@@ -291,6 +293,7 @@ def _two_by_two_random(rank: int, world: int, step: int, microbatches: int) -> d
     return out
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(240)
 def test_random_routing_carries_labels_and_retraces_gradients_on_two_replicas():
     step, microbatches = 3, 4
@@ -339,15 +342,16 @@ def _worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
     return run(Config.from_dict(cfg_dict))
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(240)
 def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_path,
-                                                                          shakespeare,
+                                                                          corpus,
                                                                           monkeypatch):
     from noloco.rundir import RunDir
 
     steps, sync_every, bsz, seq = 5, 2, 4, 32
     argv = ["--method", "noloco", "--replicas", "2", "--stages", "2", "--routing", "random",
-            "--sync-every", str(sync_every), "--data", str(shakespeare), "--steps", str(steps),
+            "--sync-every", str(sync_every), "--data", str(corpus), "--steps", str(steps),
             "--eval-every", "2", "--batch-size", str(bsz), "--seq-len", str(seq),
             "--eval-sequences", "8", "--microbatches", "2", "--out", str(tmp_path / "run")]
     from noloco.cli import build_parser, config_from_args
@@ -404,16 +408,17 @@ def test_world_size_that_is_not_replicas_times_stages_is_a_one_line_error(
         Layout.from_env(2, 2)
 
 
+@pytest.mark.slow("worker processes in pipeline stages")
 @pytest.mark.timeout(300)
-def test_two_stages_clip_like_one_stage_with_the_default_optimizer(tmp_path, shakespeare):
+def test_two_stages_clip_like_one_stage_with_the_default_optimizer(tmp_path, corpus):
     """With the defaults (AdamW, --grad-clip 1.0) two stages train the same model as one:
     the gradient is clipped by the norm of the replica's whole model, not stage by stage."""
     from run_utils import summary, train, weights
 
     args = ("--method", "single", "--steps", "6", "--preset", "tiny", "--eval-every", "6",
             "--checkpoint-every", "0", "--warmup", "0", "--lr", "3e-3")
-    assert train(tmp_path / "one", shakespeare, *args) == 0
-    assert train(tmp_path / "two", shakespeare, *args, "--stages", "2",
+    assert train(tmp_path / "one", corpus, *args) == 0
+    assert train(tmp_path / "two", corpus, *args, "--stages", "2",
                  "--routing", "fixed") == 0
     one, two = summary(tmp_path / "one"), summary(tmp_path / "two")
     assert two["final_val_loss"] == pytest.approx(one["final_val_loss"], abs=2e-5)
@@ -452,6 +457,7 @@ def _spread_rank(rank: int, world: int) -> dict:
             "stage_bytes": stage_comm.bytes_sent}
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_weight_spread_with_stages_is_reduced_not_gathered():
     res = _run_ranks(_spread_rank, 4)

@@ -25,19 +25,20 @@ import wan  # noqa: E402
 from noloco.netsim.predict import predict_run  # noqa: E402
 
 OK, WHY = netns.available()
-pytestmark = pytest.mark.skipif(not OK, reason=f"no shaped namespaces here: {WHY}")
+pytestmark = [pytest.mark.skipif(not OK, reason=f"no shaped namespaces here: {WHY}"),
+              pytest.mark.slow("a shaped link between network namespaces, worker processes")]
 
 RATE = 20e6
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["diloco", "noloco"])
-def test_predicted_sync_seconds_match_a_shaped_run(method, shakespeare):
+def test_predicted_sync_seconds_match_a_shaped_run(method, corpus):
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         run = work / "run"
         argv = [sys.executable, "-m", "noloco", "train", "--method", method, "--replicas", "2",
-                "--data", str(shakespeare), "--preset", "tiny", "--batch-size", "2",
+                "--data", str(corpus), "--preset", "tiny", "--batch-size", "2",
                 "--seq-len", "32", "--steps", "4", "--sync-every", "2", "--eval-every", "4",
                 "--eval-sequences", "2", "--checkpoint-every", "0", "--log-every", "0",
                 "--comm-timeout", "120", "--out", str(run)]

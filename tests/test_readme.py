@@ -42,6 +42,7 @@ def test_readme_has_the_commands_it_should() -> None:
         "ddp", "diloco", "noloco", "streaming"}
 
 
+@pytest.mark.slow("every README command, with worker processes")
 @pytest.mark.timeout(600)
 def test_every_readme_command_runs(tmp_path, monkeypatch, capfd) -> None:
     monkeypatch.chdir(tmp_path)

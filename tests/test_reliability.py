@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_utils import free_port
 from run_utils import (
     SMALL,
     alive,
@@ -35,22 +36,19 @@ DILOCO = ["--method", "diloco", "--replicas", "2", "--sync-every", "4", "--eval-
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, corpus):
     """The uninterrupted DiLoCo run every restart must reproduce."""
-    from conftest import SHAKESPEARE
-
-    if not SHAKESPEARE.is_file():
-        pytest.skip("../shared/data/tinyshakespeare.txt is not beside this checkout")
     run = tmp_path_factory.mktemp("reference") / "run"
-    assert train(run, SHAKESPEARE, *DILOCO) == 0
+    assert train(run, corpus, *DILOCO) == 0
     return run
 
 
+@pytest.mark.slow("worker processes, a kill -9")
 @pytest.mark.timeout(180)
-def test_kill9_with_max_restarts_continues_from_the_checkpoint(tmp_path, shakespeare, capfd,
+def test_kill9_with_max_restarts_continues_from_the_checkpoint(tmp_path, corpus, capfd,
                                                                reference):
     out = tmp_path / "run"
-    assert train(out, shakespeare, *DILOCO, "--max-restarts", "1",
+    assert train(out, corpus, *DILOCO, "--max-restarts", "1",
                  "--inject-fault", "kill:1@10") == 0
     err = capfd.readouterr().err
     assert "rank 1 (replica 1, stage 0) was killed by SIGKILL" in err
@@ -61,13 +59,14 @@ def test_kill9_with_max_restarts_continues_from_the_checkpoint(tmp_path, shakesp
     assert s["failures"][0]["rank"] == 1 and s["failures"][0]["signal"] == "SIGKILL"
 
 
+@pytest.mark.slow("worker processes, a kill -9")
 @pytest.mark.timeout(240)
-def test_kill9_from_outside_mid_run(tmp_path, shakespeare, reference):
+def test_kill9_from_outside_mid_run(tmp_path, corpus, reference):
     """A real ``kill -9`` at whatever moment the run has reached, once it holds a checkpoint
     (the workers are slowed down so that moment comes well before the end)."""
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
          *DILOCO, "--max-restarts", "1", "--inject-fault", "slow:0:6,slow:1:6",
          "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -82,13 +81,14 @@ def test_kill9_from_outside_mid_run(tmp_path, shakespeare, reference):
     assert_same_run(reference, out)
 
 
+@pytest.mark.slow("torchrun and its worker processes")
 @pytest.mark.timeout(240)
-def test_torchrun_max_restarts_continues_from_the_checkpoint(tmp_path, shakespeare,
+def test_torchrun_max_restarts_continues_from_the_checkpoint(tmp_path, corpus,
                                                              reference):
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-         "2", "--max-restarts", "1", "-m", "noloco", "train", "--data", str(shakespeare),
+         "2", "--max-restarts", "1", "-m", "noloco", "train", "--data", str(corpus),
          *SMALL, *DILOCO, "--inject-fault", "kill:1@10", "--out", str(out)],
         capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -98,11 +98,12 @@ def test_torchrun_max_restarts_continues_from_the_checkpoint(tmp_path, shakespea
     assert summary(out)["attempt"] == 1
 
 
+@pytest.mark.slow("worker processes, a SIGSTOP")
 @pytest.mark.timeout(180)
-def test_a_stopped_worker_is_named_by_the_warning_and_the_error(tmp_path, shakespeare):
+def test_a_stopped_worker_is_named_by_the_warning_and_the_error(tmp_path, corpus):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
          "--method", "ddp", "--replicas", "3", "--steps", "100000", "--eval-every", "1000",
          "--checkpoint-every", "5", "--stall-warning", "1", "--comm-timeout", "5",
          "--out", str(out)],
@@ -128,11 +129,12 @@ def test_a_stopped_worker_is_named_by_the_warning_and_the_error(tmp_path, shakes
     assert not any(alive(p) for p in pids.values())
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(120)
-def test_a_worker_error_is_the_cause_not_the_peer_it_left_waiting(tmp_path, shakespeare,
+def test_a_worker_error_is_the_cause_not_the_peer_it_left_waiting(tmp_path, corpus,
                                                                    capfd):
     out = tmp_path / "run"
-    assert train(out, shakespeare, "--method", "ddp", "--replicas", "2", "--steps", "20",
+    assert train(out, corpus, "--method", "ddp", "--replicas", "2", "--steps", "20",
                  "--inject-fault", "crash:1@3") == 1
     err = capfd.readouterr().err
     assert "InjectedCrash: injected crash of rank 1 (replica 1, stage 0) after step 3" in err
@@ -145,15 +147,15 @@ def test_a_worker_error_is_the_cause_not_the_peer_it_left_waiting(tmp_path, shak
 
 def _as_torchrun_worker(monkeypatch, run_id: str) -> None:
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                  "TORCHELASTIC_RUN_ID": run_id}.items():
         monkeypatch.setenv(k, v)
 
 
 def test_a_torchrun_restart_of_the_same_job_resumes_and_a_new_job_is_refused(
-        tmp_path, shakespeare, capfd, monkeypatch):
+        tmp_path, corpus, capfd, monkeypatch):
     out = tmp_path / "run"
-    argv = ["train", "--data", str(shakespeare), *SMALL, "--checkpoint-every", "2",
+    argv = ["train", "--data", str(corpus), *SMALL, "--checkpoint-every", "2",
             "--eval-every", "2", "--out", str(out), "--overwrite"]
     _as_torchrun_worker(monkeypatch, "job-a")
     assert main([*argv, "--steps", "4", "--schedule-steps", "8"]) == 0
@@ -171,13 +173,14 @@ def test_a_torchrun_restart_of_the_same_job_resumes_and_a_new_job_is_refused(
     assert summary(out)["status"] == "completed"
 
 
+@pytest.mark.slow("training subprocesses stopped by signals")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method,replicas,sig", [
     ("ddp", "2", signal.SIGINT), ("ddp", "2", signal.SIGTERM), ("single", "1", signal.SIGINT)])
-def test_ctrl_c_and_sigterm_end_in_one_line(tmp_path, shakespeare, method, replicas, sig):
+def test_ctrl_c_and_sigterm_end_in_one_line(tmp_path, corpus, method, replicas, sig):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
          "--method", method, "--replicas", replicas, "--steps", "100000", "--eval-every", "5",
          "--checkpoint-every", "5", "--out", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -221,10 +224,11 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow("a tmpfs mount and a subprocess")
 @pytest.mark.timeout(120)
-def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays(small_disk, shakespeare):
+def test_a_full_disk_is_one_line_and_the_previous_checkpoint_stays(small_disk, corpus):
     out = small_disk / "run"
-    r = cli("train", "--data", str(shakespeare), *SMALL, "--steps", "40",
+    r = cli("train", "--data", str(corpus), *SMALL, "--steps", "40",
             "--checkpoint-every", "5", "--eval-every", "5", "--out", str(out))
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
@@ -274,11 +278,12 @@ def _loopback(hex_addr: str) -> bool:
                   "0000000000000000FFFF00000100007F")
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(120)
-def test_a_local_run_listens_on_loopback_only(tmp_path, shakespeare):
+def test_a_local_run_listens_on_loopback_only(tmp_path, corpus):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *SMALL,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
          "--method", "noloco", "--replicas", "2", "--stages", "2", "--sync-every", "2",
          "--steps", "100000", "--out", str(out)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -327,7 +332,7 @@ def test_a_data_error_inside_a_torchrun_worker(tmp_path, capfd, monkeypatch):
     blob = tmp_path / "blob.txt"
     blob.write_bytes(os.urandom(50_000))
     for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(k, v)  # as torchrun starts a worker: no preflight in a launcher
     _one_line_exit_2(capfd, tmp_path / "run", "--data", str(blob), "--steps", "1",
                      msg="is not text")

@@ -39,15 +39,16 @@ CASES = {
 }
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
-def test_k_steps_resume_k_more_equals_2k_straight(tmp_path, shakespeare, capfd, case):
+def test_k_steps_resume_k_more_equals_2k_straight(tmp_path, corpus, capfd, case):
     flags, k, every = CASES[case]
     flags = [*flags, "--eval-every", str(every)]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert train(straight, shakespeare, *flags, "--steps", str(2 * k)) == 0
+    assert train(straight, corpus, *flags, "--steps", str(2 * k)) == 0
     # The first part plans the same schedule as the straight run: --schedule-steps 2K.
-    assert train(split, shakespeare, *flags, "--steps", str(k), "--schedule-steps",
+    assert train(split, corpus, *flags, "--steps", str(k), "--schedule-steps",
                  str(2 * k)) == 0
     first = summary(split)
     assert first["status"] == "completed" and first["steps"] == k
@@ -76,14 +77,10 @@ def _hash(run) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, request):
+def finished(tmp_path_factory, request, corpus):
     """A finished single-replica run of 10 steps (checkpoints at 5 and 10, schedule of 20)."""
-    from conftest import SHAKESPEARE
-
-    if not SHAKESPEARE.is_file():
-        pytest.skip("../shared/data/tinyshakespeare.txt is not beside this checkout")
     run = tmp_path_factory.mktemp("finished") / "run"
-    assert train(run, SHAKESPEARE, "--steps", "10", "--schedule-steps", "20",
+    assert train(run, corpus, "--steps", "10", "--schedule-steps", "20",
                  "--checkpoint-every", "5", "--eval-every", "5") == 0
     return run
 
@@ -107,11 +104,11 @@ def test_resume_refuses_what_would_change_the_run(finished, capfd, argv, msg):
     assert {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()} == before
 
 
-def test_resume_needs_a_run_with_a_checkpoint(tmp_path, shakespeare, capfd):
+def test_resume_needs_a_run_with_a_checkpoint(tmp_path, corpus, capfd):
     assert main(["train", "--resume", str(tmp_path / "nothing"), "--steps", "5"]) == 2
     assert "not a run directory" in capfd.readouterr().err
     run = tmp_path / "nockpt"
-    assert train(run, shakespeare, "--steps", "2", "--checkpoint-every", "0") == 0
+    assert train(run, corpus, "--steps", "2", "--checkpoint-every", "0") == 0
     capfd.readouterr()
     assert main(["train", "--resume", str(run), "--steps", "5"]) == 2
     assert "no complete checkpoint" in capfd.readouterr().err
@@ -119,11 +116,11 @@ def test_resume_needs_a_run_with_a_checkpoint(tmp_path, shakespeare, capfd):
 
 @pytest.mark.timeout(200)
 def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(
-        tmp_path, shakespeare, capfd):
+        tmp_path, corpus, capfd):
     common = ["--checkpoint-every", "5", "--eval-every", "5", "--dropout", "0.1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    assert train(straight, shakespeare, *common, "--steps", "20") == 0
-    assert train(split, shakespeare, *common, "--steps", "10", "--schedule-steps", "20") == 0
+    assert train(straight, corpus, *common, "--steps", "20") == 0
+    assert train(split, corpus, *common, "--steps", "10", "--schedule-steps", "20") == 0
     f = C.state_file(split / "checkpoints", 10, 0)
     raw = bytearray(f.read_bytes())
     raw[-100] ^= 0x01  # one flipped bit

@@ -21,13 +21,14 @@ def weights(run) -> dict[str, torch.Tensor]:
     return load_file(str(run / "model" / "average.safetensors"))
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
-def test_a_lossless_compressor_is_diloco_without_outer_momentum(tmp_path, shakespeare):
+def test_a_lossless_compressor_is_diloco_without_outer_momentum(tmp_path, corpus):
     """topk:1.0:32 sends every entry exactly: the error feedback stays zero whatever its
     decay, and the outer step is DiLoCo's with momentum 0 at the same outer lr."""
-    assert train(tmp_path / "sparse", shakespeare, "--method", "sparseloco", *RUN,
+    assert train(tmp_path / "sparse", corpus, "--method", "sparseloco", *RUN,
                  "--compress", "topk:1.0:32", "--outer-lr", "0.8", "--ef-decay", "0.5") == 0
-    assert train(tmp_path / "diloco", shakespeare, "--method", "diloco", *RUN,
+    assert train(tmp_path / "diloco", corpus, "--method", "diloco", *RUN,
                  "--outer-momentum", "0", "--outer-lr", "0.8") == 0
     a, b = weights(tmp_path / "sparse"), weights(tmp_path / "diloco")
     assert a.keys() == b.keys()
@@ -38,9 +39,10 @@ def test_a_lossless_compressor_is_diloco_without_outer_momentum(tmp_path, shakes
     assert abs(sa["final_val_loss"] - sb["final_val_loss"]) < 1e-4
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
-def test_sparse_messages_train_and_are_counted_as_sent(tmp_path, shakespeare):
-    assert train(tmp_path / "run", shakespeare, "--method", "sparseloco", "--replicas", "4",
+def test_sparse_messages_train_and_are_counted_as_sent(tmp_path, corpus):
+    assert train(tmp_path / "run", corpus, "--method", "sparseloco", "--replicas", "4",
                  "--steps", "60", "--sync-every", "10", "--eval-every", "30") == 0
     s = summary(tmp_path / "run")
     cfg = json.loads((tmp_path / "run" / "config.json").read_text())

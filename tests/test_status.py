@@ -14,6 +14,8 @@ import pytest
 from run_utils import SMALL, cli, summary, wait_for
 from test_coordinator import ENV, coordinator, evaluated, free_port
 
+pytestmark = pytest.mark.slow("elastic worker processes and a browser (chromium)")
+
 RUN = [*SMALL, "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
        "--peer-timeout", "3"]
 
@@ -42,13 +44,13 @@ def png_colours(path: Path) -> int | None:
 
 
 @pytest.mark.timeout(300)
-def test_status_and_dashboard_of_a_live_run(tmp_path, shakespeare):
+def test_status_and_dashboard_of_a_live_run(tmp_path, corpus):
     port, web = free_port(), free_port()
     coord = coordinator(port, "--dashboard", str(web))
     out = tmp_path / "run"
     # A replica is killed (and not respawned): the view must say it is dead.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *RUN,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *RUN,
          "--method", "noloco", "--steps", "3000", "--elastic", "--coordinator",
          f"127.0.0.1:{port}", "--run-id", "view", "--out", str(out),
          "--inject-fault", "kill:3@30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -108,10 +110,10 @@ def test_status_says_what_is_wrong_in_one_line(tmp_path):
 
 @pytest.mark.timeout(200)
 def test_a_local_run_serves_its_dashboard_and_status_reads_its_files_after(tmp_path,
-                                                                           shakespeare):
+                                                                           corpus):
     out, web = tmp_path / "run", free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "noloco", "train", "--data", str(shakespeare), *RUN,
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *RUN,
          "--method", "diloco", "--steps", "200", "--elastic", "--dashboard", str(web),
          "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=ENV)

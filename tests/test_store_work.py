@@ -61,6 +61,7 @@ def run_members(n: int, ops: int, mode: str) -> tuple[float, int, int]:
     return per_op, after, before
 
 
+@pytest.mark.slow("member threads at a real store")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["exchange", "all_reduce"])
 def test_store_work_per_operation_does_not_grow_with_the_replicas(mode):
@@ -77,6 +78,7 @@ def test_store_work_per_operation_does_not_grow_with_the_replicas(mode):
         assert held <= 20 * n + 30, (n, held)
 
 
+@pytest.mark.slow("waits out real timeouts")
 @pytest.mark.timeout(60)
 def test_await_value_outlasts_wakes_that_write_nothing():
     """torch's TCPStore wakes a key's waiters on any compare-and-set of it, even one that

@@ -298,6 +298,7 @@ def four_ranks() -> list[dict]:
     return run_ranks(_four_ranks, 4)
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
 def test_p1_tau0_unquantised_equals_diloco_and_noloco(ranks, request):
@@ -345,6 +346,7 @@ def _error_bound(xs: list[torch.Tensor], fmt: str) -> torch.Tensor:
 N_QUANT = 5000  # not a multiple of ranks × block: the chunks are padded
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_quantised_all_reduce_mean_bound_and_bytes(four_ranks):
     res, world, n = four_ranks, 4, N_QUANT
@@ -419,6 +421,7 @@ def _streaming_quantized_rank(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_quantised_streaming_diloco_and_noloco_on_two_ranks(two_ranks):
     res = two_ranks
@@ -457,12 +460,13 @@ def test_bad_streaming_input_exits_2_and_writes_nothing(tmp_path, capsys, argv, 
     assert not out.exists()
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(240)
-def test_streaming_end_to_end_reports_fragments_and_peak_bytes(tmp_path, shakespeare):
+def test_streaming_end_to_end_reports_fragments_and_peak_bytes(tmp_path, corpus):
     out = tmp_path / "run"
     argv = ["train", "--method", "streaming", "--replicas", "2", "--fragments", "2",
             "--overlap-steps", "1", "--quantize", "fp4", "--sync-every", "4",
-            "--data", str(shakespeare), "--steps", "8", "--eval-every", "8",
+            "--data", str(corpus), "--steps", "8", "--eval-every", "8",
             "--eval-sequences", "4", "--batch-size", "4", "--seq-len", "32", "--warmup", "0",
             "--lr", "3e-3", "--out", str(out)]
     assert main(argv) == 0

@@ -105,6 +105,7 @@ print(json.dumps({"tokenized": load.tokenized, "sum": int(c.train.sum()) + int(c
 """
 
 
+@pytest.mark.slow("concurrent processes")
 @pytest.mark.timeout(120)
 def test_processes_asking_at_once_build_it_once(tmp_path):
     src = corpus_dir(tmp_path)
@@ -119,17 +120,18 @@ def test_processes_asking_at_once_build_it_once(tmp_path):
     assert [n for n in left if n.endswith(TMP_SUFFIX)] == [] and len(left) == 2  # file, lock
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
-def test_training_on_the_token_file_is_bit_identical(tmp_path, shakespeare, monkeypatch):
+def test_training_on_the_token_file_is_bit_identical(tmp_path, corpus, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
     args = ["--method", "noloco", "--replicas", "2", "--sync-every", "4", "--steps", "8",
             "--eval-every", "4", "--checkpoint-every", "4"]
     monkeypatch.setenv("NOLOCO_TOKEN_CACHE", "off")
-    assert train(tmp_path / "off", shakespeare, *args) == 0
+    assert train(tmp_path / "off", corpus, *args) == 0
     monkeypatch.setenv("NOLOCO_TOKEN_CACHE", str(tmp_path / "cache"))
-    assert train(tmp_path / "on", shakespeare, *args) == 0
+    assert train(tmp_path / "on", corpus, *args) == 0
     off, on = summary(tmp_path / "off"), summary(tmp_path / "on")
     assert on["final_val_loss_per_replica"] == off["final_val_loss_per_replica"]
     for f in ("replica-0.safetensors", "replica-1.safetensors"):

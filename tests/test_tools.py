@@ -14,21 +14,18 @@ from noloco.generate import generate
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    from conftest import SHAKESPEARE as shakespeare
-
-    if not shakespeare.is_file():
-        pytest.skip("../shared/data/tinyshakespeare.txt is not beside this checkout")
+def runs(tmp_path_factory, corpus) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     out = {"single": root / "single", "diloco": root / "diloco"}
-    assert train(out["single"], shakespeare, "--steps", "4", "--eval-every", "2",
+    assert train(out["single"], corpus, "--steps", "4", "--eval-every", "2",
                  "--checkpoint-every", "0") == 0
-    assert train(out["diloco"], shakespeare, "--method", "diloco", "--replicas", "2",
+    assert train(out["diloco"], corpus, "--method", "diloco", "--replicas", "2",
                  "--sync-every", "2", "--steps", "4", "--eval-every", "2",
                  "--checkpoint-every", "0") == 0
     return out
 
 
+@pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(240)
 def test_generate_samples_text_deterministically(runs, capsys) -> None:
     a = generate(runs["single"], "ROMEO:", max_tokens=30, seed=1)
@@ -42,6 +39,7 @@ def test_generate_samples_text_deterministically(runs, capsys) -> None:
     assert capsys.readouterr().out.startswith("To be")
 
 
+@pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(60)
 def test_generate_bad_input_is_one_line(runs, tmp_path, capsys) -> None:
     assert main(["generate", str(tmp_path), "--prompt", "x"]) == 2
@@ -51,6 +49,7 @@ def test_generate_bad_input_is_one_line(runs, tmp_path, capsys) -> None:
     assert len(err) == 3 and all(e.startswith("noloco: error: ") for e in err)
 
 
+@pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(120)
 def test_report_compares_runs(runs, tmp_path, capsys) -> None:
     out = tmp_path / "report"
@@ -67,13 +66,14 @@ def test_report_compares_runs(runs, tmp_path, capsys) -> None:
     assert "is not a run directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(240)
-def test_tensorboard_events_hold_every_metric(tmp_path, shakespeare) -> None:
+def test_tensorboard_events_hold_every_metric(tmp_path, corpus) -> None:
     pytest.importorskip("tensorboard", reason="the 'tb' extra")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "tb"
-    assert train(out, shakespeare, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
+    assert train(out, corpus, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
                  "--steps", "4", "--eval-every", "2", "--checkpoint-every", "0",
                  "--tensorboard") == 0
     acc = EventAccumulator(str(out / "tensorboard"))
@@ -114,14 +114,15 @@ def _wandb_records(b: bytes) -> list[bytes]:
     return out
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(240)
-def test_wandb_offline_run_holds_every_evaluation(tmp_path, shakespeare) -> None:
+def test_wandb_offline_run_holds_every_evaluation(tmp_path, corpus) -> None:
     pytest.importorskip("wandb", reason="the 'wandb' extra")
     from run_utils import metrics
     from wandb.proto import wandb_internal_pb2
 
     out = tmp_path / "wb"
-    assert train(out, shakespeare, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
+    assert train(out, corpus, "--method", "noloco", "--replicas", "2", "--sync-every", "2",
                  "--steps", "4", "--eval-every", "2", "--checkpoint-every", "0",
                  "--wandb") == 0
     files = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -138,6 +139,7 @@ def test_wandb_offline_run_holds_every_evaluation(tmp_path, shakespeare) -> None
     assert "train_loss" not in rows[0] and "val_loss_per_replica/1" in rows[-1]
 
 
+@pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(240)
 def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, capsys) -> None:
     pytest.importorskip("transformers", reason="the 'hf' extra")
@@ -170,6 +172,7 @@ def test_export_loads_in_transformers_with_the_same_logits(runs, tmp_path, capsy
     assert (out / "model.safetensors").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(120)
 def test_generate_with_the_kv_cache_samples_the_same_tokens(runs, monkeypatch) -> None:
     from noloco import generate as gen
@@ -211,6 +214,7 @@ def test_progress_without_a_terminal_shows_percent_and_time_left(capsys) -> None
     assert "step    110/400 ( 28%) | loss 2.500" in capsys.readouterr().out
 
 
+@pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(60)
 def test_the_closing_summary_names_noloco_report(runs, capsys) -> None:
     from noloco.metrics import Progress

@@ -21,9 +21,9 @@ def _read(out):
 
 
 @pytest.mark.timeout(240)
-def test_single_run_lowers_validation_loss_and_writes_contract(tmp_path, shakespeare):
+def test_single_run_lowers_validation_loss_and_writes_contract(tmp_path, corpus):
     out = tmp_path / "run"
-    argv = ["train", "--data", str(shakespeare), "--steps", "40", "--eval-every", "20",
+    argv = ["train", "--data", str(corpus), "--steps", "40", "--eval-every", "20",
             "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3", "--warmup", "5",
             "--eval-sequences", "32", "--out", str(out)]
     assert main(argv) == 0
@@ -42,10 +42,10 @@ def test_single_run_lowers_validation_loss_and_writes_contract(tmp_path, shakesp
 
 
 @pytest.mark.timeout(240)
-def test_same_seed_repeats_exactly(tmp_path, shakespeare):
+def test_same_seed_repeats_exactly(tmp_path, corpus):
     losses = []
     for name in ("a", "b"):
-        argv = ["train", "--data", str(shakespeare), "--steps", "6", "--eval-every", "3",
+        argv = ["train", "--data", str(corpus), "--steps", "6", "--eval-every", "3",
                 "--batch-size", "4", "--seq-len", "32", "--eval-sequences", "8",
                 "--out", str(tmp_path / name)]
         assert main(argv) == 0
@@ -53,11 +53,12 @@ def test_same_seed_repeats_exactly(tmp_path, shakespeare):
     assert losses[0] == losses[1]
 
 
+@pytest.mark.slow("worker processes")
 @pytest.mark.timeout(300)
-def test_noloco_two_replicas_end_to_end(tmp_path, shakespeare):
+def test_noloco_two_replicas_end_to_end(tmp_path, corpus):
     out = tmp_path / "run"
     argv = ["train", "--method", "noloco", "--replicas", "2", "--sync-every", "5",
-            "--data", str(shakespeare), "--steps", "12", "--eval-every", "6",
+            "--data", str(corpus), "--steps", "12", "--eval-every", "6",
             "--batch-size", "4", "--seq-len", "32", "--eval-sequences", "8", "--out", str(out)]
     assert main(argv) == 0
     metrics, s = _read(out)
@@ -71,7 +72,7 @@ def test_noloco_two_replicas_end_to_end(tmp_path, shakespeare):
 
 
 @pytest.mark.timeout(240)
-def test_validation_set_is_the_same_for_every_batch_size(tmp_path, shakespeare):
+def test_validation_set_is_the_same_for_every_batch_size(tmp_path, corpus):
     """Runs that differ only in --batch-size are scored on the same sequences: the same
     validation loss at step 0 (same initial weights)."""
     from run_utils import metrics
@@ -79,7 +80,7 @@ def test_validation_set_is_the_same_for_every_batch_size(tmp_path, shakespeare):
     losses = []
     for bs in ("3", "8"):
         out = tmp_path / bs
-        assert main(["train", "--data", str(shakespeare), "--steps", "1", "--eval-every", "1",
+        assert main(["train", "--data", str(corpus), "--steps", "1", "--eval-every", "1",
                      "--batch-size", bs, "--seq-len", "32", "--eval-sequences", "20",
                      "--checkpoint-every", "0", "--log-every", "0", "--out", str(out)]) == 0
         first = next(m for m in metrics(out) if m.get("val_loss") is not None)
