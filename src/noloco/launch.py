@@ -235,28 +235,25 @@ class Supervisor:
         ``graceful``: SIGINT first, on which the workers stop at a step they agree on and
         checkpoint it (:meth:`noloco.train.Trainer.agree_stop_step`), within STOP_SECONDS."""
         if graceful:
-            alive = [p for p in self.procs.values() if p.poll() is None]
-            for p in alive:
-                for sig in (signal.SIGINT, signal.SIGCONT):
-                    with contextlib.suppress(ProcessLookupError):
-                        p.send_signal(sig)
-            deadline = time.monotonic() + STOP_SECONDS
-            for p in alive:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            self._signal_and_wait(signal.SIGINT)
+        for p in self._signal_and_wait(signal.SIGTERM):
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait()
+
+    def _signal_and_wait(self, sig: signal.Signals) -> list[subprocess.Popen]:
+        """``sig`` (and SIGCONT, for a stopped worker) to every live worker; the workers still
+        running STOP_SECONDS later."""
         alive = [p for p in self.procs.values() if p.poll() is None]
         for p in alive:
-            for sig in (signal.SIGTERM, signal.SIGCONT):
+            for s in (sig, signal.SIGCONT):
                 with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(sig)
+                    p.send_signal(s)
         deadline = time.monotonic() + STOP_SECONDS
         for p in alive:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    p.kill()
-                p.wait()
+        return [p for p in alive if p.poll() is None]
 
     # ---- what went wrong -----------------------------------------------------------------
     def _read(self, key: str) -> dict[str, Any] | None:
