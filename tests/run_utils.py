@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -66,20 +67,29 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 
 def worker_pids(run: Path) -> dict[tuple[int, int], int]:
-    """(replica, stage) → pid of the local launcher's workers of ``run`` (from the
-    NOLOCO_RUN / NOLOCO_REPLICA / NOLOCO_STAGE variables each worker starts with)."""
+    """(replica, stage) → pid of the local launcher's workers of ``run``: the processes named
+    ``noloco rRsS`` (noloco.warm) that started with NOLOCO_RUN=run in their environment —
+    theirs, or, forked from a warm parent, the warm parent's."""
     want = f"NOLOCO_RUN={Path(run).resolve()}".encode()
+
+    def env_of(pid: str) -> list[bytes]:
+        try:
+            return (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
+        except OSError:
+            return []
+
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
+            name = (d / "comm").read_text().strip()
+            ppid = (d / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
             continue
-        if want in env:
-            kv = dict(x.split(b"=", 1) for x in env if b"=" in x)
-            out[(int(kv[b"NOLOCO_REPLICA"]), int(kv[b"NOLOCO_STAGE"]))] = int(d.name)
+        m = re.fullmatch(r"noloco r(\d+)s(\d+)", name)
+        if m and (want in env_of(d.name) or want in env_of(ppid)):
+            out[(int(m[1]), int(m[2]))] = int(d.name)
     return out
 
 

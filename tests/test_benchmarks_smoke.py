@@ -201,6 +201,24 @@ def test_startup_and_generate_quick_write_records(tmp_path: Path) -> None:
 
 @pytest.mark.slow("benchmark subprocesses")
 @pytest.mark.timeout(200)
+def test_warm_start_quick_writes_a_record(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "warm_start.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "warm_start_quick.json").read_text())["results"]
+    for mode in ("warm", "fresh"):
+        (run,) = res["runs"][mode]["2"]
+        assert run["wall_seconds"] > 0 and run["cpu_seconds"] > 0
+        assert run["first_step_seconds_max"] > 0
+    assert res["judged"]["2"]["cpu_seconds"]["ratio"] > 0
+    bad = subprocess.run([sys.executable, str(BENCH / "warm_start.py"), "--replicas", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "must be >= 2" in bad.stderr
+
+
+@pytest.mark.slow("benchmark subprocesses")
+@pytest.mark.timeout(200)
 def test_payload_mac_quick_writes_a_record(tmp_path: Path) -> None:
     out = subprocess.check_output([sys.executable, str(BENCH / "payload_mac.py"), "--quick",
                                    "--out-dir", str(tmp_path)], text=True, timeout=180)

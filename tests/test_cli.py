@@ -55,6 +55,42 @@ def test_help_documents_every_flag(capsys):
         assert flag in out, flag
 
 
+
+def help_sections(text: str) -> dict[str, str]:
+    """--help's groups: heading → the text under it."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            name = line[:-1]
+            out[name] = ""
+        elif name is not None:
+            out[name] += line + "\n"
+    return out
+
+
+def test_help_groups_the_flags_and_shows_their_choices(capsys):
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    groups = help_sections(out)
+    assert list(groups)[-2:] == ["reliability, elastic and faults", "logging"]
+    for flag in ("--elastic", "--peer-timeout", "--respawn", "--coordinator", "--secret-file",
+                 "--max-restarts", "--inject-fault", "--update-guard", "--comm-timeout"):
+        assert flag in groups["reliability, elastic and faults"], flag
+        assert flag not in groups["method"] and flag not in groups["train"], flag
+    for flag in ("--log-every", "--tensorboard", "--wandb", "--dashboard"):
+        assert flag in groups["logging"], flag
+    assert "--method {single,ddp,diloco,noloco,streaming,sparseloco}" in out
+    assert "--device {auto,cpu,cuda}" in out and "--quantize {none,fp4,int8,fp8}" in out
+    assert "sparseloco" in out.split("options:")[0]  # the description names every method
+
+
+def test_version(capsys):
+    from noloco import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"noloco {__version__}"
+
+
 BAD = [
     (["--bogus-flag", "1"], "unrecognized arguments"),
     (["--preset", "huge"], "unknown preset"),

@@ -4,6 +4,8 @@ anything is written or printed."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 import shutil
@@ -44,8 +46,11 @@ def single(tmp_path_factory, words) -> Path:
 def elastic(tmp_path_factory, words) -> Path:
     """An elastic two-replica DiLoCo run of 4 steps (worker processes: ~20 s)."""
     out = tmp_path_factory.mktemp("first_hour") / "elastic"
-    assert train(out, words, "--method", "diloco", "--replicas", "2", "--sync-every", "2",
-                 "--steps", "4", "--elastic") == 0
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):  # the launcher's closing lines (print)
+        assert train(out, words, "--method", "diloco", "--replicas", "2", "--sync-every", "2",
+                     "--steps", "4", "--elastic") == 0
+    (out.parent / "stdout.txt").write_text(said.getvalue())
     return out
 
 
@@ -86,18 +91,33 @@ def test_report_reads_elastic_one_replica_and_unfinished_runs(single, elastic, t
             for r in (out / "report.md").read_text().splitlines() if r.startswith("| ")}
     s = summary(elastic)
     el = rows["elastic"]
-    assert el[1:4] == ["diloco", "2", "1"] and el[8] == f"{s['final_val_loss']:.4f}"
+    assert el[1:4] == ["diloco", "2", "1"] and el[10] == f"{s['final_val_loss']:.4f}"
+    # how far each run got: runs of different lengths are told apart
+    assert el[8:10] == ["4", f"{s['tokens_per_replica']:,.0f}"]
     mean_sent = sum(s["bytes_sent_per_replica"].values()) / 2
-    assert el[10] == f"{mean_sent / 1e6:,.1f}" and float(el[10]) > 0
+    assert el[12] == f"{mean_sent / 1e6:,.1f}" and float(el[12]) > 0
     one = rows["single"]
-    assert one[1:3] == ["single", "1"] and one[9] == "—"  # no spread over one replica
+    assert one[1:3] == ["single", "1"] and one[11] == "—"  # no spread over one replica
     # a run that stopped: its settings from config.json, its last evaluation (step 0)
     first = json.loads((single / "metrics.jsonl").read_text().splitlines()[0])
     cut = rows["interrupted (interrupted at step 3)"]
-    assert cut[1] == "single" and cut[8] == f"{first['val_loss']:.4f} (step 0)"
+    assert cut[1] == "single" and cut[10] == f"{first['val_loss']:.4f} (step 0)"
+    assert cut[8] == "0"  # the step of that evaluation
     assert rows["running (running at step 0)"][1:3] == ["diloco", "2"]
-    assert rows["running (running at step 0)"][8] == "—"
+    assert rows["running (running at step 0)"][10] == "—"
     capsys.readouterr()
+
+
+def test_report_goes_beside_the_runs_unless_told(single, tmp_path, monkeypatch, capsys) -> None:
+    """Not into whatever directory the user stands in: report/ in the directory holding the
+    runs; -o puts it elsewhere."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(single)]) == 0
+    assert (single.parent / "report" / "report.md").is_file()
+    assert not (tmp_path / "report").exists()
+    assert main(["report", str(single), "-o", str(tmp_path / "mine")]) == 0
+    assert (tmp_path / "mine" / "report.md").is_file()
+    assert f"wrote {single.parent / 'report' / 'report.md'}" in capsys.readouterr().out
 
 
 # ---- 2. missing extras: refused before anything is written -----------------------------------
@@ -163,6 +183,16 @@ def test_predict_for_a_one_replica_run_predicts_several(single, capsys) -> None:
     # asked for N = 1: that is what it gets, without a note
     one = predict_run(single, "1Gbit", 0, replicas=1)
     assert {m.replicas for m in one.methods} == {1} and one.note is None
+
+
+@pytest.mark.slow("an elastic run's worker processes")
+@pytest.mark.timeout(120)
+def test_an_elastic_run_ends_with_its_bytes_and_what_to_do_next(elastic) -> None:
+    said = (elastic.parent / "stdout.txt").read_text()
+    assert "done: elastic diloco, 2 of 2 replicas finished" in said
+    assert " MB per replica, blocked up to " in said and "in communication" in said
+    assert f"next: noloco report {elastic}" in said
+    assert f"noloco netsim predict {elastic} --bandwidth" in said
 
 
 @pytest.mark.slow("an elastic run's worker processes")

@@ -214,6 +214,20 @@ def test_progress_without_a_terminal_shows_percent_and_time_left(capsys) -> None
     assert "step    110/400 ( 28%) | loss 2.500" in capsys.readouterr().out
 
 
+def test_tokens_per_second_and_time_left_follow_a_slowdown_at_once(capsys) -> None:
+    """300 steps at 0.1 s, then 60 at 1 s: the whole run's average (0.25 s a step) would say
+    160 s left of 640 steps; the recent window says 640 s, and 1/10 of the tokens/s."""
+    from noloco.metrics import Progress
+
+    now = [0.0]
+    p = Progress(enabled=True, total=1000, log_every=360, clock=lambda: now[0])
+    for step in range(1, 361):
+        now[0] += 0.1 if step <= 300 else 1.0
+        p.step(step, 2.0, 1000)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "step    360/1000 ( 36%) | loss 2.000 | 1,000 tok/s | 10 min 40 s left", line
+
+
 @pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(60)
 def test_the_closing_summary_names_noloco_report(runs, capsys) -> None:
@@ -234,3 +248,20 @@ def test_the_report_names_what_each_run_exchanges() -> None:
     assert exchange({"method": "streaming", "replicas": 4, "quantize": "fp4"}) == "fp4"
     assert exchange({"method": "sparseloco", "replicas": 4, "compress": "topk:0.02:2",
                      "ef_decay": 0.95}) == "topk:0.02:2, EF 0.95"
+
+
+def test_an_injected_kill_publishes_the_step_before_the_signal(monkeypatch) -> None:
+    """The launcher names the step from the worker's heartbeat: the injector beats first, so
+    "failed at step S" matches the worker's own "after step S"."""
+    import signal
+
+    from noloco import faults
+
+    seen: list[str] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: seen.append(f"signal {sig}"))
+    inj = faults.FaultInjector(faults.parse_faults("kill:0@5", 1, 1), 0, 0, 0, once=True,
+                               publish=lambda: seen.append("beat"))
+    inj.after_step(4)
+    assert seen == []
+    inj.after_step(5)
+    assert seen == ["beat", f"signal {signal.SIGKILL}"]

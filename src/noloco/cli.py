@@ -20,6 +20,9 @@ from typing import Any
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 from noloco.config import (
+    FAULTS,
+    LOGGING,
+    METHODS,
     RESUMABLE,
     Config,
     ConfigError,
@@ -48,8 +51,10 @@ class ArgParser(argparse.ArgumentParser):
 def _train_parser(sub: Any) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train", help="train a model (one process, or N replicas x P stages of workers)",
-        description="Train with --method single|ddp|diloco|noloco|streaming. Locally, "
-        "--replicas N starts N worker processes; under torchrun, this process is one worker.",
+        description=f"Train with --method {'|'.join(METHODS)}. Locally, --replicas N starts "
+        "N worker processes; under torchrun, this process is one worker. Flags by section of "
+        "the config (model, data, optim, method, train), then reliability, elastic and "
+        "faults, then logging.",
         argument_default=argparse.SUPPRESS,
     )
     p.add_argument("--config", metavar="FILE.toml",
@@ -59,10 +64,12 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="continue the run in RUN_DIR from its newest complete checkpoint, to "
                         "--steps total inner steps; only --steps, --eval-every, --log-every, "
                         "checkpointing, timeout and fault flags may differ from the run's")
-    groups = {}
+    # One group per section of the config, in its order, then the groups of flags that belong
+    # to no one section (the reliability and elastic flags live in method and train).
+    groups = {name: p.add_argument_group(name) for name in
+              [*dict.fromkeys(sec for sec, _ in section_fields()), FAULTS, LOGGING]}
     for section, f in section_fields():
-        g = groups.get(section) or p.add_argument_group(section)
-        groups[section] = g
+        g = groups[f.metadata.get("group") or section]
         default = getattr(getattr(Config(), section), f.name)
         help_text = f.metadata.get("help", "") + (f" (default: {default})" if default is not None
                                                    else "")
@@ -74,14 +81,19 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
         else:
             typ = {"int": int, "float": float, "str": str}
             ftype = str(f.type).replace(" | None", "")
-            g.add_argument(flag, dest=f.name, type=typ.get(ftype, str), metavar=f.name.upper(),
+            choices = f.metadata.get("choices")
+            metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
+            g.add_argument(flag, dest=f.name, type=typ.get(ftype, str), metavar=metavar,
                            help=help_text)
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from noloco import __version__
+
     parser = ArgParser(prog="noloco", description="Low-communication training of language "
-                       "models: NoLoCo, DiLoCo, Streaming DiLoCo and data parallel.")
+                       "models: NoLoCo, DiLoCo, Streaming DiLoCo, SparseLoCo and data parallel.")
+    parser.add_argument("--version", action="version", version=f"noloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     _train_parser(sub)
     from noloco.export import add_subparser as add_export
@@ -150,7 +162,7 @@ def _resumable_flags() -> list[str]:
 
 
 def train(ns: argparse.Namespace) -> int:
-    from noloco.launch import launch_local, under_torchrun
+    from noloco.launch import supervisor_for, under_torchrun
     from noloco.rundir import RunDir
 
     resuming = getattr(ns, "resume", None) is not None
@@ -168,18 +180,29 @@ def train(ns: argparse.Namespace) -> int:
     if under_torchrun():
         from noloco.worker import main as worker_main
         return worker_main(cfg, resume=resuming, must_resume=resuming)
-    load = _preflight(cfg, resuming)
-    rundir = RunDir(cfg.train.out)
-    if resuming:
-        _preflight_resume(cfg)
-        rundir.write_config(cfg)
-    else:
-        rundir.prepare(cfg, overwrite=cfg.train.overwrite)
     if cfg.method.elastic:
         from noloco.elastic.launcher import ElasticSupervisor
-        code = ElasticSupervisor(cfg, resuming, resuming).run()
+        sup = ElasticSupervisor(cfg, resuming, resuming)
     else:
-        code = launch_local(cfg, resume=resuming, must_resume=resuming)
+        sup = supervisor_for(cfg, resuming, resuming)
+    if sup is not None:  # its workers' warm parent imports torch while this one prepares
+        sup.prestart()
+    try:
+        load = _preflight(cfg, resuming)
+        rundir = RunDir(cfg.train.out)
+        if resuming:
+            _preflight_resume(cfg)
+            rundir.write_config(cfg)
+        else:
+            rundir.prepare(cfg, overwrite=cfg.train.overwrite)
+        if sup is not None:
+            code = sup.run()
+        else:
+            from noloco.worker import main as worker_main
+            code = worker_main(cfg, resuming, resuming, rundir_ready=True)
+    finally:
+        if sup is not None:
+            sup.starter.close()
     _add_launcher_startup(rundir, load)
     return code
 

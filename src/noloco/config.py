@@ -29,6 +29,9 @@ FRAGMENT_PATTERNS = ("strided", "sequential")
 QUANT_FORMATS = ("none", "fp4", "int8", "fp8")
 INNER_OPTIMIZERS = ("adamw", "muon")
 PRECISIONS = ("fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+FAULTS, LOGGING = "reliability, elastic and faults", "logging"
+"""--help groups of flags that belong to no one section (``opt(..., group=...)``)"""
 
 
 def opt(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
@@ -75,7 +78,8 @@ class OptimConfig:
     lr: float = opt(1e-3, "peak learning rate of the inner optimizer")
     inner_optimizer: str = opt(
         "adamw", "the inner optimizer: adamw, or muon (torch.optim.Muon for the matrices inside "
-        "the transformer blocks, AdamW for embeddings, head and norms; as MuLoCo)")
+        "the transformer blocks, AdamW for embeddings, head and norms; as MuLoCo)",
+        choices=INNER_OPTIMIZERS)
     warmup: int = opt(50, "linear warm-up steps (then cosine decay to lr/10)")
     weight_decay: float = opt(0.0, "AdamW weight decay of the inner optimizer")
     beta1: float = opt(0.9, "AdamW beta1")
@@ -92,7 +96,7 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class MethodConfig:
-    method: str = opt("single", "training method: " + ", ".join(METHODS))
+    method: str = opt("single", "training method: " + ", ".join(METHODS), choices=METHODS)
     replicas: int = opt(1, "data-parallel replicas N (worker processes = replicas x stages)")
     stages: int = opt(1, "pipeline stages P per replica")
     sync_every: int | None = opt(
@@ -109,12 +113,13 @@ class MethodConfig:
     gamma: float | None = opt(None, "NoLoCo: pull towards the group's slow weights (default beta)")
     fragments: int = opt(1, "streaming: number of fragments the blocks are split into")
     fragment_pattern: str = opt("strided", "streaming: 'strided' (block k -> k mod P) or "
-                                "'sequential' fragments")
+                                "'sequential' fragments", choices=FRAGMENT_PATTERNS)
     overlap_steps: int = opt(0, "streaming: tau, inner steps a fragment's sync overlaps with")
     merge_alpha: float = opt(
         0.5, "streaming: theta <- alpha*theta_local + (1-alpha)*theta_synced after the overlap"
     )
-    quantize: str = opt("none", "format of exchanged outer gradients: " + ", ".join(QUANT_FORMATS))
+    quantize: str = opt("none", "format of exchanged outer gradients: " + ", ".join(QUANT_FORMATS),
+        choices=QUANT_FORMATS)
     compress: str | None = opt(
         None, "sparseloco, diloco, streaming, noloco: send each replica's error-feedback "
         "buffer sparse, topk:FRACTION[:BITS] — the FRACTION largest entries of every chunk of "
@@ -123,36 +128,38 @@ class MethodConfig:
     ef_decay: float | None = opt(
         None, "with --compress: the error feedback's decay (e <- decay*e + delta; sparseloco "
         "0.95, where it takes the place of outer momentum; the others 1.0)")
-    routing: str = opt("random", "pipeline routing between stages in training: random or fixed")
+    routing: str = opt("random", "pipeline routing between stages in training: random or fixed",
+                       choices=ROUTINGS)
     microbatches: int = opt(0, "pipeline microbatches per step (0: 2 x stages, at most the "
                             "batch size; see docs/pipeline.md)")
     comm_timeout: float = opt(
         120.0, "seconds a blocked collective or exchange waits before the run fails, naming the "
         "rank that stopped answering (one exchange of 1.5 GB at 100 Mbit/s fits; raise it for "
-        "bigger models on slower links)")
+        "bigger models on slower links)", group=FAULTS)
     stall_warning: float = opt(
         30.0, "seconds blocked on a peer before a worker prints, once, which rank it is waiting "
-        "for")
+        "for", group=FAULTS)
     elastic: bool = opt(
         False, "replicas are fault domains: one that dies or stalls is dropped after "
         "--peer-timeout and the others train on (noloco, diloco, streaming, sparseloco; "
-        "stages: noloco with --routing fixed; docs/elastic.md)")
+        "stages: noloco with --routing fixed; docs/elastic.md)", group=FAULTS)
     update_guard: bool = opt(
         True, "noloco, diloco, streaming: check every update before it is used — a partner's "
         "(noloco) or this replica's own outer gradient (diloco, streaming) must be finite and "
         "within --guard-factor x the running median of recent update sizes; a rejected one is "
-        "left out and listed in the summary (docs/security.md)")
+        "left out and listed in the summary (docs/security.md)", group=FAULTS)
     payload_mac: bool = opt(
         True, "elastic at a coordinator with a run secret: every payload replicas send each "
         "other (exchanges, quantised messages, join states) carries a MAC under a key from the "
-        "secret; one that fails is dropped as if its sender were absent (docs/security.md)")
+        "secret; one that fails is dropped as if its sender were absent (docs/security.md)",
+        group=FAULTS)
     guard_factor: float = opt(
         10.0, "the update guard's k: an update further than k x the running median of recent "
-        "ones is rejected")
+        "ones is rejected", group=FAULTS)
     peer_timeout: float = opt(
         10.0, "elastic: seconds a replica waits for a group member to arrive before going on "
         "without it, and silence after which a replica is dropped from the membership (the "
-        "transfer itself, once everyone arrived, gets --comm-timeout)")
+        "transfer itself, once everyone arrived, gets --comm-timeout)", group=FAULTS)
 
 
 def default_out() -> str:
@@ -192,31 +199,32 @@ class TrainConfig:
     keep_checkpoints: int = opt(2, "keep the newest N complete checkpoints")
     max_restarts: int = opt(
         0, "restart the workers up to R times after one dies, from the newest checkpoint "
-        "(local runs; under torchrun use torchrun's own --max-restarts)")
+        "(local runs; under torchrun use torchrun's own --max-restarts)", group=FAULTS)
     coordinator: str | None = opt(
         None, "elastic across machines: HOST:PORT of a running `noloco coordinator`, or "
         "etcd://H1:P1,H2:P2,... of an etcd cluster that keeps the run's coordination; this "
-        "machine runs the replicas of --replica-ids")
+        "machine runs the replicas of --replica-ids", group=FAULTS)
     replica_ids: str | None = opt(
         None, "elastic with --coordinator: the replicas this machine runs, e.g. 0-3 or 4,5 "
-        "(default: all)")
+        "(default: all)", group=FAULTS)
     run_id: str | None = opt(
         None, "elastic: the run's name at its coordinator (letters, digits, '.', '_', '-'): "
         "runs that share a coordinator need different ones (default: derived from the run's "
-        "settings, alike on every machine)")
+        "settings, alike on every machine)", group=FAULTS)
     secret_file: str | None = opt(
         None, "elastic with --coordinator HOST:PORT: a file holding the run secret that the "
         "coordinator asks every machine to prove (NOLOCO_SECRET gives it instead; "
-        "docs/security.md)")
+        "docs/security.md)", group=FAULTS)
     coordinator_timeout: float = opt(
         1800.0, "elastic: seconds a replica trains on while the run's store (the coordinator) "
-        "does not answer; then it saves a checkpoint and stops")
+        "does not answer; then it saves a checkpoint and stops", group=FAULTS)
     dashboard: int | None = opt(
         None, "elastic: serve a live view of the run (a page that refreshes itself: each "
-        "replica's state, step and loss) on 127.0.0.1:PORT; `noloco status OUT` prints it")
+        "replica's state, step and loss) on 127.0.0.1:PORT; `noloco status OUT` prints it",
+        group=LOGGING)
     respawn: int = opt(
         0, "elastic: start a replica that died again, up to R times in all; it fetches the live "
-        "state from a running replica and rejoins")
+        "state from a running replica and rejoins", group=FAULTS)
     inject_fault: str = opt(
         "", "testing tool: faults to inject, comma-separated: kill:REPLICA@STEP (SIGKILL), "
         "stall:REPLICA@STEP:SECONDS (SIGSTOP, then SIGCONT), hang:REPLICA@STEP[:SECONDS] (the "
@@ -224,23 +232,24 @@ class TrainConfig:
         "corrupt:REPLICA@STEP:nan or corrupt:REPLICA@STEP:scale:F (its weights turn NaN or "
         "are multiplied by F), tamper:REPLICA@STEP (what it sends is altered on the wire), "
         "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but "
-        "slow fire once, in the first attempt")
-    device: str = opt("auto", "cpu, cuda or auto")
+        "slow fire once, in the first attempt", group=FAULTS)
+    device: str = opt("auto", "cpu, cuda or auto", choices=DEVICES)
     compile: bool = opt(
         False, "torch.compile the model (each pipeline stage): faster steps after a first one "
         "that compiles; where no compiler works it says so in one line and runs eagerly")
     precision: str = opt(
         "fp32", "fp32, or bf16: bf16 autocast for forward and backward (activations sent between "
         "pipeline stages in bf16); master weights, optimizer state, slow weights and all that "
-        "replicas exchange stay fp32 (--quantize decides that)")
+        "replicas exchange stay fp32 (--quantize decides that)", choices=PRECISIONS)
     wandb: bool = opt(
         False, "also log every metric to Weights & Biases in offline mode under OUT/wandb/ "
-        "(needs the 'wandb' extra; `wandb sync` uploads it later)")
+        "(needs the 'wandb' extra; `wandb sync` uploads it later)", group=LOGGING)
     tensorboard: bool = opt(
         False, "also write every metric as TensorBoard events under OUT/tensorboard/ (needs "
-        "the 'tb' extra)")
+        "the 'tb' extra)", group=LOGGING)
     log_every: int = opt(
-        10, "print a progress line every this many steps when not on a terminal (0: never)")
+        10, "print a progress line every this many steps when not on a terminal (0: never)",
+        group=LOGGING)
 
 
 @dataclass(kw_only=True)

@@ -131,9 +131,12 @@ class FaultInjector:
     have fired already (or were meant for a run that no longer exists)."""
 
     def __init__(self, faults: list[Fault], replica: int, stage: int, rank: int,
-                 once: bool) -> None:
+                 once: bool, publish: Any = None) -> None:
+        """``publish``: called before a kill or a stop, to make the step this worker reached
+        known (a heartbeat now): what the launcher then says matches this worker's line."""
         mine = [f for f in faults if f.hits(replica, stage)]
         self.rank, self.replica, self.stage = rank, replica, stage
+        self.publish = publish
         self.pending = {f.step: f for f in mine if f.kind != "slow" and once}
         self.slow = max((f.factor for f in mine if f.kind == "slow"), default=1.0)
 
@@ -152,6 +155,8 @@ class FaultInjector:
         fault = self.pending.pop(min(due))
         who = f"rank {self.rank} (replica {self.replica}, stage {self.stage})"
         pid = os.getpid()
+        if fault.kind in ("kill", "stall") and self.publish is not None:
+            self.publish()
         if fault.kind == "kill":
             print(f"noloco: injected fault: SIGKILL to {who} after step {step}",
                   file=sys.stderr, flush=True)

@@ -7,10 +7,11 @@
   supervises them here (one worker without restarts runs in this process instead).
 
 The supervisor hosts the run's c10d ``TCPStore`` (the same store torchrun's agent hosts) on
-127.0.0.1 only, and starts each worker as ``python -m noloco.worker`` with torchrun's
-environment variables (plus ``NOLOCO_REPLICA`` / ``NOLOCO_STAGE``, visible to outside tools
-in ``/proc/PID/environ``). Workers write heartbeats and, when they fail, a report into the
-store; gloo is bound to the loopback interface. It does what torchrun's agent does for one
+127.0.0.1 only, and starts each worker as ``python -m noloco.worker`` — forked from a warm
+parent that imported torch once (:mod:`noloco.warm`) — with torchrun's environment variables
+(plus ``NOLOCO_REPLICA`` / ``NOLOCO_STAGE``; ``ps`` shows a worker as ``noloco rRsS``).
+Workers write heartbeats and, when they fail, a report into the store; gloo is bound to the
+loopback interface. It does what torchrun's agent does for one
 machine, plus what a user needs from a local run:
 
 - when a worker dies, the others are stopped, the cause is found (the rank killed by a
@@ -46,6 +47,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.config import Config
 from noloco.data import cpu_count
 from noloco.rundir import RunDir
+from noloco.warm import Starter, WarmProcess
 from noloco.watchdog import heartbeat_key
 
 GRACE_SECONDS = 3.0
@@ -63,13 +65,23 @@ def under_torchrun() -> bool:
 
 def launch_local(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
     """Run the whole job on this machine; returns the exit code."""
+    sup = supervisor_for(cfg, resume, must_resume)
+    if sup is None:
+        from noloco.worker import main
+        return main(cfg, resume, must_resume, rundir_ready=True)
+    return sup.run()
+
+
+def supervisor_for(cfg: Config, resume: bool = False, must_resume: bool = False
+                   ) -> Supervisor | None:
+    """The supervisor of a static run on this machine; None when the run is one worker
+    without restarts, which runs in the calling process."""
     t = cfg.train
     if cfg.method.elastic:  # its own launcher, which the caller picks (no import circle)
         raise ValueError("an elastic run starts through noloco.elastic.launcher")
     if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
-        from noloco.worker import main
-        return main(cfg, resume, must_resume, rundir_ready=True)
-    return Supervisor(cfg, resume, must_resume).run()
+        return None
+    return Supervisor(cfg, resume, must_resume)
 
 
 def loopback_interface() -> str:
@@ -106,7 +118,9 @@ class Supervisor:
         self.out = Path(cfg.train.out)
         self.failures: list[dict[str, Any]] = []
         self.signum: int | None = None
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, subprocess.Popen | WarmProcess] = {}
+        self.starter = Starter()
+        """forks the workers from a warm parent (noloco.warm), closed when the run ends"""
 
     # ---- the run -----------------------------------------------------------------------------
     def host_store(self) -> None:
@@ -164,11 +178,19 @@ class Supervisor:
             raise AssertionError("unreachable")
         finally:
             self._stop_all()
+            self.starter.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signum = self.signum or signum
+
+    def prestart(self) -> None:
+        """Start the warm parent now (it imports torch while this process prepares the run);
+        :meth:`run` closes it."""
+        threads = str(max(1, cpu_count() // self.world))
+        self.starter.prestart(dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+                                   NOLOCO_RUN=str(self.out.resolve())))
 
     def _env(self, attempt: int) -> dict[str, str]:
         threads = str(max(1, cpu_count() // self.world))
@@ -199,9 +221,7 @@ class Supervisor:
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
                        NOLOCO_REPLICA=str(rank // self.stages),
                        NOLOCO_STAGE=str(rank % self.stages))
-            self.procs[rank] = subprocess.Popen(
-                [sys.executable, "-m", "noloco.worker", cfg_json], env=env,
-                start_new_session=True)
+            self.procs[rank] = self.starter.start([cfg_json], env)
         failed: list[tuple[int, int]] = []  # (rank, exit code) in the order noticed
         first_at = None
         while True:
@@ -241,7 +261,7 @@ class Supervisor:
                 p.kill()
             p.wait()
 
-    def _signal_and_wait(self, sig: signal.Signals) -> list[subprocess.Popen]:
+    def _signal_and_wait(self, sig: signal.Signals) -> list[subprocess.Popen | WarmProcess]:
         """``sig`` (and SIGCONT, for a stopped worker) to every live worker; the workers still
         running STOP_SECONDS later."""
         alive = [p for p in self.procs.values() if p.poll() is None]

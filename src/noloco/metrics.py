@@ -8,6 +8,7 @@ exactly what the method sent and waited for.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -134,8 +135,12 @@ def duration(seconds: float) -> str:
 class Progress:
     """A rich progress bar on a terminal; plain lines otherwise (logs, CI)."""
 
+    WINDOW_SECONDS = 30.0
+    """tokens/s and the time left are measured over about the last this many seconds: a run
+    that slows down says so at once, not once the slowdown outweighs the whole run's average"""
+
     def __init__(self, enabled: bool, total: int, log_every: int = 10, start: int = 0,
-                 show_steps: bool | None = None) -> None:
+                 show_steps: bool | None = None, clock: Any = time.perf_counter) -> None:
         """``enabled``: this worker prints the evaluation lines and the end of the run;
         ``show_steps`` (default: the same): it prints the per-step progress — with pipeline
         stages the worker that has the loss (replica 0's last stage)."""
@@ -145,8 +150,12 @@ class Progress:
         self.tty = self.show_steps and sys.stderr.isatty()
         self.total = total
         self.start = start
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.t0 = clock()
         self.tokens = 0
+        self.recent: collections.deque[tuple[float, int, int]] = collections.deque(
+            [(self.t0, start, 0)])
+        """(time, step, tokens so far) of the recent steps: the window of WINDOW_SECONDS"""
         self.bar = None
         if self.tty:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
@@ -161,20 +170,28 @@ class Progress:
         if not self.show_steps:
             return
         self.tokens += tokens
-        tps = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+        now = self.clock()
+        self.recent.append((now, step, self.tokens))
+        while len(self.recent) > 2 and now - self.recent[1][0] >= self.WINDOW_SECONDS:
+            self.recent.popleft()
+        then, then_step, then_tokens = self.recent[0]
+        tps = (self.tokens - then_tokens) / max(now - then, 1e-9)
+        pace = (now - then) / (step - then_step) if step > then_step else None
         info = f"loss {loss:.3f} | {tps:,.0f} tok/s" if loss is not None else f"{tps:,.0f} tok/s"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
         elif self.log_every > 0 and step % self.log_every == 0:
-            print(self.plain_line(step, info, time.perf_counter() - self.t0), flush=True)
+            print(self.plain_line(step, info, now - self.t0, pace), flush=True)
 
-    def plain_line(self, step: int, info: str, elapsed: float) -> str:
-        """Without a terminal: the step, percent done and time left (at this run's pace
-        since it started or resumed)."""
+    def plain_line(self, step: int, info: str, elapsed: float, pace: float | None = None
+                   ) -> str:
+        """Without a terminal: the step, percent done and time left — at ``pace`` (seconds
+        per step over the recent window) when given, else at this run's pace since it
+        started or resumed."""
         done = step - self.start
         pct = 100 * step / max(self.total, 1)
-        left = (f" | {duration(elapsed / done * (self.total - step))} left" if done > 0
-                else "")
+        per = pace if pace is not None else elapsed / done if done > 0 else None
+        left = f" | {duration(per * (self.total - step))} left" if per is not None else ""
         return f"step {step:>6}/{self.total} ({pct:3.0f}%) | {info}{left}"
 
     def line(self, msg: str) -> None:
@@ -213,8 +230,8 @@ class Progress:
             f"  validation loss {s['final_val_loss']:.4f}{spread}, weight spread "
             f"{s['weight_spread']:.2e}",
             f"  sent {s['bytes_sent_per_replica'] / 1e6:,.1f} MB per replica, blocked "
-            f"{s['sync_seconds']:.2f} s in communication, compute utilisation "
-            f"{s['compute_utilisation']:.3f}",
+            f"{s['sync_seconds']:.2f} s in communication (computing "
+            f"{s['compute_utilisation']:.1%} of the training loop's time)",
             f"  files: {out}/ (summary.json, metrics.jsonl, config.json, model/, checkpoints/)",
             f"  next: noloco report {out}   (a table and plots of this run, or of several)",
             f"        noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",

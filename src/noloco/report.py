@@ -1,10 +1,12 @@
 """``noloco report RUN_DIR... [--out DIR]``: compare finished runs.
 
-Writes ``report.md`` — one row per run: method, replicas, stages, H, the inner optimizer,
-what is exchanged (fp32, a quantised format, a sparse top-k message), final validation loss ±
+Writes ``report.md`` (in ``report/`` beside the runs, or ``-o DIR``) — one row per run:
+method, replicas, stages, H, the inner optimizer, what is exchanged (fp32, a quantised format,
+a sparse top-k message), how far it got (steps, tokens per replica), final validation loss ±
 its spread over replicas (standard deviation of the replicas' own losses), MB sent per
-replica, seconds blocked in communication, wall seconds, compute utilisation — and PNG plots
-(with matplotlib): validation loss against tokens per replica, against bytes sent per
+replica, seconds blocked in communication, wall seconds, the share of the training loop
+spent computing (``compute_utilisation``; not MFU) — and, with the ``plot`` extra
+(matplotlib), PNG plots: validation loss against tokens per replica, against bytes sent per
 replica and against wall seconds, and weight spread against steps.
 
 Static and elastic runs alike; a run that did not complete (running, interrupted, failed) is
@@ -21,9 +23,9 @@ from typing import Any
 from noloco.config import ConfigError
 
 COLUMNS = ("run", "method", "replicas", "stages", "H", "inner", "exchange", "precision",
-           "final val loss",
+           "steps", "tokens / replica", "final val loss",
            "± over replicas", "MB sent / replica", "MB activations", "blocked s", "wall s",
-           "utilisation")
+           "computing")
 
 
 def load(run_dir: str | Path) -> dict[str, Any]:
@@ -102,9 +104,13 @@ def row(run: dict[str, Any]) -> list[str]:
     # fp32 (and no accumulation) for runs from before the switches existed
     precision = (s.get("precision") or "fp32") + (
         f" × {s['grad_accum']} microbatches" if (s.get("grad_accum") or 1) > 1 else "")
+    # runs of different lengths side by side: how far each got, in steps and in tokens
+    steps = s.get("steps") if done else last.get("step", s.get("last_step"))
+    tokens = s.get("tokens_per_replica") if done else last.get("tokens_per_replica")
     return [run["name"], str(s.get("method") or "—"), str(s.get("replicas") or "—"),
             str(s.get("stages") or 1), str(s.get("sync_every") or "—"),
             s.get("inner_optimizer") or "adamw", exchange(s), precision,
+            "—" if steps is None else str(steps), _cell(_mean(tokens), ",.0f"),
             _cell(_mean(loss), ".4f") + (f" (step {last['step']})" if not done and last
                                          else ""), _cell(spread, ".4f"),
             _cell(None if sent is None else sent / 1e6, ",.1f"),
@@ -195,15 +201,25 @@ def report(run_dirs: list[str], out: str | Path) -> tuple[Path, list[Path]]:
 
 
 def add_subparser(sub: Any) -> None:
-    p = sub.add_parser("report", help="compare runs: a markdown table and plots",
-                       description=__doc__.split("\n\n")[1])
+    p = sub.add_parser("report", help="compare runs: a markdown table, and plots with the "
+                       "'plot' extra", description=__doc__.split("\n\n")[1])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("--out", default="report", help="output directory (default: report/)")
+    p.add_argument("-o", "--out", default=None,
+                   help="output directory (default: report/ beside the runs, in the directory "
+                        "that holds them all)")
     p.set_defaults(func=_main)
 
 
+def default_out(run_dirs: list[str]) -> Path:
+    """``report/`` in the directory that holds every run (runs/a runs/b → runs/report)."""
+    import os
+
+    parents = [str(Path(d).resolve().parent) for d in run_dirs]
+    return Path(os.path.commonpath(parents)) / "report"
+
+
 def _main(ns: Any) -> int:
-    path, pngs = report(ns.runs, ns.out)
+    path, pngs = report(ns.runs, ns.out if ns.out is not None else default_out(ns.runs))
     print(path.read_text().split("\n\n")[1])
     print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else f" ({PLOT_EXTRA})"))
     return 0

@@ -350,13 +350,22 @@ class Trainer:
         st.eval_s += time.perf_counter() - e0
         return rec
 
+    def publish_step(self) -> None:
+        """A heartbeat now, with the step reached (the beat threads lag by up to an
+        interval): before an injected kill, so the launcher names the step the worker did."""
+        if self.watchdog is not None:
+            self.watchdog.publish()
+        if self.membership is not None:
+            self.membership.nudge()
+
     # ---- training -----------------------------------------------------------------------------
     def train(self) -> dict[str, Any] | None:
         cfg, lay, st = self.cfg, self.lay, self.state
         o, t = cfg.optim, cfg.train
         faults = FaultInjector(parse_faults(t.inject_fault, lay.replicas, lay.stages),
                                lay.replica, lay.stage, lay.rank,
-                               once=self.ctx.attempt == 0 and self.resumed_from is None)
+                               once=self.ctx.attempt == 0 and self.resumed_from is None,
+                               publish=self.publish_step)
         log = Progress(enabled=lay.rank == 0, total=t.steps, log_every=t.log_every,
                        start=st.step, show_steps=lay.rank == lay.global_rank(0, lay.stages - 1))
         running = {"status": "running", "last_step": st.step, "attempt": self.ctx.attempt,

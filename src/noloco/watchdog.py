@@ -67,7 +67,7 @@ class Watchdog:
                 self._wait = None
 
     def start(self) -> Watchdog:
-        self._publish()
+        self.publish()
         self._thread = threading.Thread(target=self._loop, name="noloco-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -81,7 +81,7 @@ class Watchdog:
     def _key(self, rank: int) -> str:
         return heartbeat_key(self.attempt, rank)
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         w = self._wait
         beat = {"step": self.step, "t": time.time(), "pid": os.getpid(),
                 "op": w[0] if w else None, "since": w[2] if w else None}
@@ -91,7 +91,7 @@ class Watchdog:
     def _loop(self) -> None:
         tick = time.monotonic()
         while not self._stop.wait(self.interval):
-            self._publish()
+            self.publish()
             last, tick = tick, time.monotonic()
             if tick - last > self.stale_after:
                 continue  # this process was the one stopped (SIGSTOP): the stall is ours

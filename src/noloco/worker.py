@@ -9,6 +9,7 @@ can end into an exit code, one line, a report in the run's store for the local l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -291,22 +292,47 @@ def _write_status(status: WorkerStatus, kind: str, line: str, culprit: int | Non
         pass
 
 
-def _die_with_launcher() -> None:
-    """A worker of the local launcher never outlives it (no orphans when it is killed)."""
+def process_name(replica: int, stage: int) -> str:
+    """What ``ps`` shows for a worker (at most 15 bytes, the kernel's limit)."""
+    return f"noloco r{replica}s{stage}"[:15]
+
+
+def set_process_name(name: str) -> None:
     import ctypes
 
-    try:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
+def die_with(parent: int) -> None:
+    """This process is killed when ``parent`` (its parent now) ends; if it already ended,
+    exit now."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != int(os.environ.get("NOLOCO_LAUNCHER_PID", os.getppid())):
-        os._exit(1)  # the launcher died before the line above took effect
+    if os.getppid() != parent:
+        os._exit(1)  # the parent ended before the line above took effect
+
+
+def _die_with_launcher() -> None:
+    """A worker of the local launcher never outlives it (no orphans when it is killed)."""
+    die_with(int(os.environ.get("NOLOCO_LAUNCHER_PID", os.getppid())))
+
+
+def entry(args: list[str]) -> int:
+    """A worker of a local launcher (:mod:`noloco.launch`, :mod:`noloco.elastic.launcher`),
+    fresh or forked from a warm parent (:mod:`noloco.warm`): ``args`` = [the resolved config
+    as JSON]; its place in the run in the environment."""
+    if "NOLOCO_REPLICA" in os.environ:
+        set_process_name(process_name(int(os.environ["NOLOCO_REPLICA"]),
+                                      int(os.environ.get("NOLOCO_STAGE", 0))))
+    return main(Config.from_dict(json.loads(args[0])),
+                resume=os.environ.get("NOLOCO_RESUME") == "1",
+                must_resume=os.environ.get("NOLOCO_RESUME_REQUIRED") == "1",
+                rundir_ready=os.environ.get("NOLOCO_RUNDIR_READY") == "1")
 
 
 if __name__ == "__main__":
-    # A worker of the local launcher (noloco.launch): argv = the resolved config as JSON.
     _die_with_launcher()
-    sys.exit(main(Config.from_dict(json.loads(sys.argv[1])),
-                  resume=os.environ.get("NOLOCO_RESUME") == "1",
-                  must_resume=os.environ.get("NOLOCO_RESUME_REQUIRED") == "1",
-                  rundir_ready=os.environ.get("NOLOCO_RUNDIR_READY") == "1"))
+    sys.exit(entry(sys.argv[1:]))

@@ -100,9 +100,12 @@ class ElasticCommunicator(Communicator):
         self._cut = False
         """the last operation could not reach the store (one event per such period)"""
         self._last_snapshot: list[int] = []
-        self._regroup: set[int] = set()
-        """after the store restarted empty: the replicas of the last snapshot before it,
-        which the new epoch's first snapshot waits a moment for (:meth:`_await_regroup`)"""
+        self._regroup: set[int] = set() if membership.incarnation else set(self.ranks)
+        """the replicas a snapshot this replica fixes waits a moment for (:meth:`_await_regroup`):
+        at the run's start, all of them — workers started together register a moment apart
+        (the monitor publishes who is live a few times per peer timeout), and the first to
+        arrive would otherwise fix a snapshot of itself alone; after the store restarted
+        empty, those of the last snapshot before it"""
         self.commits = 0
         """all-reduces this replica stepped with, as every member of their outcome did: a
         replica with fewer than a live one's has other slow weights — it is behind"""
@@ -233,11 +236,12 @@ class ElasticCommunicator(Communicator):
         self._regroup = set(self._last_snapshot)
 
     def _await_regroup(self) -> None:
-        """The first snapshot of a new epoch waits — at most half the peer timeout, which
-        the others wait for a snapshot — until the replicas of the last snapshot before the
-        outage registered again: they reconnect about a second apart, and the first one back
-        would otherwise step alone, and (DiLoCo) everyone would then heal from it, throwing
-        their own progress through the outage away."""
+        """The run's first snapshot, and the first of a new epoch, waits — at most half the
+        peer timeout, which the others wait for a snapshot — until the replicas expected
+        registered: every replica at the start; after an outage those of the last snapshot
+        before it, which reconnect about a second apart. The first one there would otherwise
+        step alone, and (DiLoCo) everyone would then heal from it, throwing their own
+        progress away."""
         want, self._regroup = self._regroup, set()
         deadline = time.monotonic() + self.peer_timeout / 2
         while want and not want <= set(self.m.eligible()) and time.monotonic() < deadline:

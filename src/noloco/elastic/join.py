@@ -406,7 +406,8 @@ class Joining:
                                "step_before": before, "bytes": nbytes,
                                "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum(),
-                               "own_checkpoint_step": own.get("step") if own else None})
+                               "own_checkpoint_step": own.get("step") if own else None,
+                               "t": time.time()})
             print(f"noloco: replica {self.lay.replica} {kind} at step {self.state.step} with "
                   f"the state of replica {donor} ({nbytes / 1e6:.1f} MB in "
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)

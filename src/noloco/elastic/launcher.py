@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from typing import Any
@@ -185,6 +184,7 @@ class ElasticSupervisor(Supervisor):
             if host is not None:
                 host.stop()
             self._stop_all()
+            self.starter.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
         summary = combine(self.cfg, self.out, self.failures, self.joins, time.time() - t0)
@@ -205,17 +205,25 @@ class ElasticSupervisor(Supervisor):
         per = summary["final_val_loss_per_replica"]
         lost = f", {len(self.failures)} failure(s)" if self.failures else ""
         here = "" if len(self.local) == self.replicas else " here"
+        sent = summary["bytes_sent_per_replica"]
+        util = summary.get("compute_utilisation")
+        computing = f" (computing {util:.1%} of the training loop's time)" if util else ""
         print(f"done: elastic {summary['method']}, {len(finished)} of "
               f"{plural(len(self.local), 'replica')}{here} finished{lost} in "
               f"{summary['wall_seconds']:.1f} s\n"
               f"  validation loss {summary['final_val_loss']:.4f} (replicas "
               f"{min(per.values()):.4f}–{max(per.values()):.4f}), weight spread "
               f"{summary['weight_spread']:.2e}\n"
-              f"  files: {self.out}/ (summary.json, metrics/replica-K.jsonl, model/)",
+              f"  sent {sum(sent.values()) / len(sent) / 1e6:,.1f} MB per replica, blocked up "
+              f"to {summary['sync_seconds']:.2f} s in communication{computing}\n"
+              f"  files: {self.out}/ (summary.json, metrics/replica-K.jsonl, model/)\n"
+              f"  next: noloco report {self.out}   (a table and plots of this run, or of "
+              f"several)\n"
+              f"        noloco netsim predict {self.out} --bandwidth 1Gbit --latency 50ms",
               flush=True)
         return 0
 
-    def _start(self, replica: int) -> list[subprocess.Popen]:
+    def _start(self, replica: int) -> list[Any]:
         """The replica's P stage workers (``self.procs``, by global rank, lists every worker
         for stopping them all)."""
         procs = []
@@ -225,7 +233,7 @@ class ElasticSupervisor(Supervisor):
             procs.append(p)
         return procs
 
-    def _start_worker(self, replica: int, stage: int, rank: int) -> subprocess.Popen:
+    def _start_worker(self, replica: int, stage: int, rank: int) -> Any:
         local_rank = self.local.index(replica) * self.stages + stage
         env = dict(self._env(0), RANK=str(rank), LOCAL_RANK=str(local_rank),
                    LOCAL_WORLD_SIZE=str(len(self.local) * self.stages),
@@ -241,9 +249,7 @@ class ElasticSupervisor(Supervisor):
                     env[var] = os.environ[var]
                 else:
                     env.pop(var, None)
-        return subprocess.Popen([sys.executable, "-m", "noloco.worker",
-                                 json.dumps(self.cfg.to_dict())], env=env,
-                                start_new_session=True)
+        return self.starter.start([json.dumps(self.cfg.to_dict())], env)
 
     def _step(self, replica: int) -> int:
         """The last step the replica is known to have reached: its beat (which may lag the

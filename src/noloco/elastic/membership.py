@@ -197,7 +197,8 @@ class Membership:
                                   "from_step": self._beat_step, "to_step": self.step,
                                   "seconds": round(now - self.last_beat, 2),
                                   "cause": ("store restarted" if moved else "unreachable"
-                                            if self._failing else "stopped")})
+                                            if self._failing else "stopped"),
+                                  "open": False})
                 print(f"noloco: replica {self.replica}: beating again after "
                       f"{now - self.last_beat:.1f} s cut off (steps {self._beat_step}-"
                       f"{self.step} without the others)", file=sys.stderr, flush=True)

@@ -1,0 +1,190 @@
+"""Workers forked from a warm parent against fresh worker processes: what a local run's start
+costs, and an elastic respawn's.
+
+Each configuration is one ``noloco train`` in a fresh process, run with ``NOLOCO_WARM_START``
+1 (the default: the launcher forks its workers from one parent that imported torch once,
+``noloco.warm``) and 0 (every worker a fresh ``python -m noloco.worker``), the two modes
+interleaved round after round, so both see the same machine. Recorded per run:
+
+- ``wall_seconds``: the command, start to exit (``--steps 1``: nearly all of it is start-up);
+- ``cpu_seconds``: user + system CPU of the command and every process under it (the kernel's
+  count for waited-for children: launcher, warm parent, workers);
+- ``first_step_seconds_max``: from a worker's start to the end of its first step (slowest),
+  as the run's summary.json says.
+
+And one elastic run per mode in which replica 1 is killed at step 5 and respawned
+(``--respawn 1``): ``respawn_seconds``, from the launcher starting it again to its joining
+(the summary's ``joins``).
+
+    python benchmarks/warm_start.py --record     # 2, 4 and 8 replicas, 3 rounds
+    python benchmarks/warm_start.py --quick      # 2 replicas, 1 round, no respawn
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+MODES = {"warm": "1", "fresh": "0"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", default="2,4,8", help="replica counts (default 2,4,8)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every run (default 3)")
+    p.add_argument("--no-respawn", action="store_true", help="leave out the elastic respawn")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 replicas, 1 round, no respawn")
+    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go")
+    common.add_record_flag(p)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.replicas, a.rounds, a.no_respawn = "2", 1, True
+    try:
+        a.replica_counts = [int(x) for x in a.replicas.split(",")]
+    except ValueError:
+        p.error("--replicas takes numbers separated by commas, e.g. 2,4,8")
+    if not a.replica_counts or min(a.replica_counts) < 2:
+        p.error("--replicas: each count must be >= 2 (one replica runs in the launcher)")
+    if a.rounds < 1:
+        p.error("--rounds must be >= 1")
+    return a
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
+    """(wall, CPU seconds of the command and all it waited for); exits on failure."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if proc.returncode:
+        raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def train_cmd(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "noloco", "train", "--preset", "tiny", "--data", "builtin",
+            "--max-tokens", "200000", "--batch-size", "4", "--seq-len", "64",
+            "--eval-sequences", "4", "--checkpoint-every", "0", "--log-every", "0",
+            "--method", "noloco", *args, "--out", str(out), "--overwrite"]
+
+
+def start_run(replicas: int, mode: str, out: Path, cache: str) -> dict[str, Any]:
+    env = {**os.environ, "NOLOCO_WARM_START": MODES[mode], "NOLOCO_TOKEN_CACHE": cache}
+    wall, cpu = timed(train_cmd(out, "--replicas", str(replicas), "--steps", "1",
+                                "--eval-every", "1"), env)
+    st = json.loads((out / "summary.json").read_text())["startup"]
+    return {"wall_seconds": wall, "cpu_seconds": cpu,
+            "first_step_seconds_max": st.get("first_step_seconds_max")}
+
+
+def respawn_run(mode: str, out: Path, cache: str) -> dict[str, Any]:
+    env = {**os.environ, "NOLOCO_WARM_START": MODES[mode], "NOLOCO_TOKEN_CACHE": cache}
+    wall, cpu = timed(train_cmd(out, "--replicas", "2", "--steps", "40", "--sync-every", "5",
+                                "--eval-every", "20", "--elastic", "--peer-timeout", "3",
+                                "--inject-fault", "kill:1@5", "--respawn", "1"), env)
+    s = json.loads((out / "summary.json").read_text())
+    started = [j["started"] for j in s["joins"] if "started" in j]
+    joined = [j for j in s["joins"] if j.get("kind") == "joined"]
+    respawn = None
+    if started and joined and "t" in joined[0]:
+        respawn = joined[0]["t"] - started[0]
+    return {"wall_seconds": wall, "cpu_seconds": cpu, "respawn_seconds": respawn,
+            "joined": bool(joined)}
+
+
+def measure(a: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    cache = str(scratch / "tokens")  # tokenised once, before the first measured run
+    start_run(a.replica_counts[0], "warm", scratch / "warm-up", cache)
+    runs: dict[str, Any] = {m: {str(n): [] for n in a.replica_counts} for m in MODES}
+    respawns: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for k in range(a.rounds):
+        order = list(MODES) if k % 2 == 0 else list(reversed(MODES))
+        for n in a.replica_counts:
+            for mode in order:
+                r = start_run(n, mode, scratch / f"run-{mode}-{n}", cache)
+                runs[mode][str(n)].append(r)
+                print(f"round {k + 1}: {n} replicas, {mode:>5}: wall {r['wall_seconds']:6.2f} s"
+                      f" | CPU {r['cpu_seconds']:6.2f} s | first step "
+                      f"{r['first_step_seconds_max'] or 0:5.2f} s", flush=True)
+        for mode in order if not a.no_respawn else []:
+            r = respawn_run(mode, scratch / f"respawn-{mode}", cache)
+            respawns[mode].append(r)
+            print(f"round {k + 1}: elastic respawn, {mode:>5}: wall {r['wall_seconds']:6.2f} s |"
+                  f" CPU {r['cpu_seconds']:6.2f} s | respawn to joined "
+                  f"{r['respawn_seconds'] or 0:5.2f} s", flush=True)
+    return {"runs": runs, "respawns": respawns}
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def judge(res: dict[str, Any]) -> dict[str, Any]:
+    """Medians per mode and warm ÷ fresh ratios (below 1: the warm start is cheaper)."""
+    out: dict[str, Any] = {}
+    for n, warm_runs in res["runs"]["warm"].items():
+        fresh_runs = res["runs"]["fresh"][n]
+        row = {}
+        for key in ("wall_seconds", "cpu_seconds", "first_step_seconds_max"):
+            w = median([r[key] for r in warm_runs if r[key] is not None] or [0.0])
+            f = median([r[key] for r in fresh_runs if r[key] is not None] or [0.0])
+            row[key] = {"warm": w, "fresh": f, "ratio": w / f if f else None}
+        out[n] = row
+    resp: dict[str, Any] = {}
+    for key in ("wall_seconds", "cpu_seconds", "respawn_seconds") if res["respawns"]["warm"] \
+            else ():
+        w = median([r[key] for r in res["respawns"]["warm"] if r[key] is not None] or [0.0])
+        f = median([r[key] for r in res["respawns"]["fresh"] if r[key] is not None] or [0.0])
+        resp[key] = {"warm": w, "fresh": f, "ratio": w / f if f else None}
+    out["elastic_respawn"] = resp
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    t_start = time.perf_counter()
+    rec = common.start_record("warm_start", {k: v for k, v in vars(a).items()
+                                             if k != "replica_counts"})
+    with tempfile.TemporaryDirectory(prefix="noloco-warm-") as tmp:
+        res = measure(a, Path(tmp))
+    judged = judge(res)
+    common.finish_record(rec, {**res, "judged": judged}, time.perf_counter() - t_start)
+    json_path, png_path = common.out_paths("warm_start", a.out_dir, a.quick, a.record)
+    common.write_json(json_path, rec)
+    for n in a.replica_counts:
+        j = judged[str(n)]
+        print(f"{n} replicas: warm/fresh wall {j['wall_seconds']['ratio']:.2f}x, CPU "
+              f"{j['cpu_seconds']['ratio']:.2f}x")
+    plt = common.pyplot()
+    if plt is not None:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+        xs = a.replica_counts
+        for ax, key, label in ((axes[0], "wall_seconds", "wall seconds"),
+                               (axes[1], "cpu_seconds", "CPU seconds")):
+            for mode, style in (("fresh", "o--"), ("warm", "o-")):
+                ax.plot(xs, [judged[str(n)][key][mode] for n in xs], style, label=mode)
+            ax.set_xlabel("local replicas (noloco train --steps 1)")
+            ax.set_ylabel(label)
+            ax.legend(fontsize=8)
+        axes[0].set_title("start-up: warm parent vs fresh workers")
+        common.save_figure(fig, png_path)
+    print(f"wrote {json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""Workers forked from a warm parent: a worker starts in milliseconds, not seconds.
+
+A fresh worker process spends about two seconds of CPU before its first step: importing torch
+(~1 s), torch's compiler front end (``torch._dynamo``, imported by the first call into any
+torch optimizer: ~1 s) and noloco. A local launcher pays that for every worker it starts, and
+an elastic launcher again for every replica it respawns — on a small machine, most of a short
+run. Instead the launcher starts one *warm parent* (``python -m noloco.warm``) that imports
+all of it once and then forks one worker per request.
+
+What makes a forked worker the same as a fresh one:
+
+- the warm parent runs no tensor operation, starts no thread pool and touches no GPU (one
+  thread when it forks, checked before every fork): the child starts its own thread pools
+  with the thread count it sets, and initialises CUDA itself;
+- the child runs with exactly the environment a fresh worker would get (``os.environ`` is
+  replaced before any worker code reads it), in a session of its own, under the process name
+  ``noloco r<replica>s<stage>`` (what ``ps`` and ``top`` show);
+- it ends as a fresh process ends — its exit code, atexit handlers, non-daemon threads
+  joined, streams flushed — and the warm parent, which reaps it, reports its exit status to
+  the launcher, whose handle answers like a :class:`subprocess.Popen` (``pid``, ``poll``,
+  ``wait``, ``send_signal``, ``kill``);
+- nothing outlives the launcher: a child dies with the warm parent and the warm parent with
+  the launcher (``PR_SET_PDEATHSIG``); the warm parent exits when the launcher closes it and
+  its last child has ended.
+
+``NOLOCO_WARM_START=0`` turns it off (every worker a fresh ``python -m noloco.worker``), as
+does a platform without ``fork`` or ``prctl``, or a warm parent that fails to start or finds
+a second thread in itself: then the launcher starts fresh processes, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+READY_SECONDS = 120.0
+"""how long a launcher waits for its warm parent to import everything (else: fresh starts)"""
+CLOSE_SECONDS = 10.0
+
+
+def enabled() -> bool:
+    return (os.environ.get("NOLOCO_WARM_START", "1") != "0" and hasattr(os, "fork")
+            and sys.platform.startswith("linux"))
+
+
+# ---- the launcher's side --------------------------------------------------------------------
+class WarmProcess:
+    """A worker forked by the warm parent: the part of :class:`subprocess.Popen` a launcher
+    uses. Its exit status comes from the warm parent (it is not this process's child)."""
+
+    def __init__(self, parent: WarmParent, pid: int, args: list[str]) -> None:
+        self._parent, self.pid, self.args = parent, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._parent.cond:
+            while self.returncode is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+                self._parent.cond.wait(left)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # never a pid that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class WarmParent:
+    """The launcher's end of one warm parent: :meth:`start` forks a worker."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        req_r, self._req = os.pipe()
+        self._resp, resp_w = os.pipe()
+        try:
+            # Its own session: a Ctrl-C at the terminal reaches the launcher, which stops the
+            # workers in order; the warm parent ends after them.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "noloco.warm", str(req_r), str(resp_w), str(os.getpid())],
+                env=dict(env, OPENBLAS_NUM_THREADS="1"), pass_fds=(req_r, resp_w),
+                start_new_session=True)
+        finally:
+            os.close(req_r)
+            os.close(resp_w)
+        self.cond = threading.Condition()
+        self._procs: dict[int, WarmProcess] = {}
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._ready: bool | None = None
+        self._closed = False
+        self._n = 0
+        self._reader = threading.Thread(target=self._read, name="noloco-warm", daemon=True)
+        self._reader.start()
+
+    def ready(self, timeout: float = READY_SECONDS) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: self._ready is not None, timeout)
+            return bool(self._ready)
+
+    def start(self, args: list[str], env: dict[str, str]) -> WarmProcess | None:
+        """Fork ``python -m noloco.worker ARGS`` with ``env``; None if the warm parent cannot
+        (the caller starts a fresh process)."""
+        if not self.ready():
+            return None
+        with self.cond:
+            self._n += 1
+            n = self._n
+        line = json.dumps({"id": n, "args": args, "env": env}).encode() + b"\n"
+        try:
+            self._write_all(line)
+        except OSError:
+            return None
+        with self.cond:
+            self.cond.wait_for(lambda: n in self._answers or not self._ready, READY_SECONDS)
+            answer = self._answers.pop(n, None)
+            if answer is None or "pid" not in answer:
+                self._ready = False  # a second thread, a failed fork: fresh starts from now
+                return None
+            p = WarmProcess(self, answer["pid"], args)
+            # its exit may have been reported before this answer was read
+            p.returncode = self._answers.pop(-answer["pid"], {}).get("code")
+            self._procs[p.pid] = p
+            return p
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._req, view):]
+
+    def _read(self) -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(self._resp, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            with self.cond:
+                for raw in lines:
+                    msg = json.loads(raw)
+                    if "ready" in msg:
+                        self._ready = bool(msg["ready"])
+                    elif "id" in msg:
+                        self._answers[msg["id"]] = msg
+                    elif msg["pid"] in self._procs:
+                        self._procs.pop(msg["pid"]).returncode = msg["code"]
+                    else:
+                        self._answers[-msg["pid"]] = msg
+                self.cond.notify_all()
+        # The warm parent is gone: its children were killed with it (PR_SET_PDEATHSIG).
+        with self.cond:
+            self._ready = False
+            for p in self._procs.values():
+                if p.returncode is None:
+                    p.returncode = -signal.SIGKILL
+            self._procs.clear()
+            self.cond.notify_all()
+        with contextlib.suppress(OSError):
+            os.close(self._resp)
+
+    def close(self) -> None:
+        """No more workers: the warm parent exits once its children have (the launcher stops
+        its workers first)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            os.close(self._req)
+        if not self._n:  # never used (the run failed before its workers): no need to wait
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=CLOSE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(timeout=CLOSE_SECONDS)
+
+
+class Starter:
+    """How a launcher starts its workers: forked from a warm parent where it can (started
+    ahead by :meth:`prestart`, else with the first worker's environment), else as fresh
+    processes."""
+
+    def __init__(self) -> None:
+        self.parent: WarmParent | None = None
+        self._warm = enabled()
+
+    def prestart(self, env: dict[str, str]) -> None:
+        """Start the warm parent now, with ``env`` (what it reads as it imports: the thread
+        counts), so that it imports while the launcher prepares the run."""
+        if self._warm and self.parent is None:
+            try:
+                self.parent = WarmParent(env)
+            except OSError:
+                self._warm = False
+
+    def start(self, args: list[str], env: dict[str, str]) -> Any:
+        """``python -m noloco.worker ARGS`` in its own session: a :class:`WarmProcess` or a
+        :class:`subprocess.Popen`."""
+        self.prestart(env)
+        if self._warm and self.parent is not None:
+            p = self.parent.start(args, env)
+            if p is not None:
+                return p
+            self._warm = False
+        return subprocess.Popen([sys.executable, "-m", "noloco.worker", *args], env=env,
+                                start_new_session=True)
+
+    def close(self) -> None:
+        if self.parent is not None:
+            self.parent.close()
+            self.parent = None
+
+
+# ---- the warm parent ------------------------------------------------------------------------
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _send(fd: int, msg: dict[str, Any]) -> None:
+    data = memoryview(json.dumps(msg).encode() + b"\n")
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def serve(req: int, resp: int, launcher: int) -> int:
+    """The warm parent's loop; in a forked child, what the worker returns (its exit code).
+
+    Invariant: nothing on the path from a fork to this function's return in the child holds a
+    lock, a thread or a ``finally`` of the parent's: the child unwinds straight into the
+    interpreter's normal exit."""
+    from noloco.worker import die_with
+
+    die_with(launcher)
+    try:
+        import torch  # noqa: F401 - imported once, here, for every worker
+        import torch._dynamo  # noqa: F401 - what an optimizer's first call imports
+
+        import noloco.elastic.worker  # noqa: F401
+        import noloco.worker  # noqa: F401
+    except BaseException as e:  # noqa: BLE001 - the launcher starts fresh workers instead
+        _send(resp, {"ready": False, "why": repr(e)[:200]})
+        return 0
+    _send(resp, {"ready": True})
+    buf, open_ = b"", True
+    children = 0
+    while open_ or children:
+        ready, _, _ = select.select([req] if open_ else [], [], [], 0.05)
+        if ready:
+            chunk = os.read(req, 1 << 20)
+            if not chunk:  # the launcher closed us: end once the children have
+                open_ = False
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                msg = json.loads(raw)
+                if _threads() != 1:  # a fork would copy a thread's locks, not the thread
+                    _send(resp, {"id": msg["id"], "error": "a second thread"})
+                    continue
+                me = os.getpid()
+                pid = os.fork()
+                if pid == 0:
+                    return _child(msg, me, (req, resp))
+                children += 1
+                _send(resp, {"id": msg["id"], "pid": pid})
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children = 0
+                break
+            if pid == 0:
+                break
+            children -= 1
+            _send(resp, {"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    return 0
+
+
+def _child(msg: dict[str, Any], parent: int, fds: tuple[int, int]) -> int:
+    os.setsid()
+    for fd in fds:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(msg["env"])
+    from noloco.worker import die_with, entry
+
+    die_with(parent)
+    sys.argv = ["noloco.worker", *msg["args"]]
+
+    return entry(msg["args"])
+
+
+if __name__ == "__main__":
+    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))

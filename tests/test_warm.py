@@ -1,0 +1,97 @@
+"""Workers forked from a warm parent (noloco.warm) train exactly as fresh processes do, answer
+as processes do, and never outlive their launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from run_utils import SMALL, alive, assert_same_run, train, wait_for, worker_pids
+
+from noloco import warm
+from noloco.worker import process_name
+
+pytestmark = pytest.mark.slow("worker processes")
+
+
+def run_processes(run: Path) -> list[int]:
+    """Every process that started with NOLOCO_RUN=run (workers, their warm parent)."""
+    want = f"NOLOCO_RUN={run.resolve()}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and want in (d / "environ").read_bytes().split(b"\0"):
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_forked_workers_train_bit_for_bit_as_fresh_processes(tmp_path, corpus, monkeypatch):
+    """Same weights, metrics and summary (seeds, threads, ranks all come from the worker's own
+    environment), and the warm parent is gone with the run."""
+    args = ("--method", "noloco", "--replicas", "2", "--stages", "2", "--sync-every", "5",
+            "--steps", "20")
+    monkeypatch.setenv("NOLOCO_WARM_START", "0")
+    assert train(tmp_path / "fresh", corpus, *args) == 0
+    monkeypatch.setenv("NOLOCO_WARM_START", "1")
+    assert train(tmp_path / "forked", corpus, *args) == 0
+    assert_same_run(tmp_path / "fresh", tmp_path / "forked")
+    assert run_processes(tmp_path / "forked") == []
+
+
+@pytest.mark.timeout(120)
+def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, corpus):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
+         "--method", "ddp", "--replicas", "2", "--steps", "100000", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        pids = wait_for(lambda: len(w := worker_pids(out)) == 2 and w, 90, "the workers")
+        parents = {int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                   for p in pids.values()}
+        assert len(parents) == 1 and proc.pid not in parents  # forked by one warm parent
+        everyone = [*pids.values(), *parents]
+        assert set(everyone) <= set(run_processes(out))
+        proc.kill()
+        proc.wait()
+        wait_for(lambda: not any(alive(p) for p in everyone), 20, "workers and warm parent")
+    finally:
+        proc.kill()
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_process_reports_its_exit_code_and_the_parent_ends_after_it():
+    parent = warm.WarmParent(dict(os.environ))
+    try:
+        assert parent.ready()
+        p = parent.start(["not json"], dict(os.environ))  # the worker fails at once
+        assert p is not None and p.pid != parent.proc.pid
+        assert p.wait(timeout=60) == 1 and p.poll() == 1
+        p.kill()  # a no-op once it has ended: its pid may be someone else's now
+    finally:
+        parent.close()
+    assert parent.proc.returncode == 0
+
+
+def test_with_warm_start_off_workers_are_fresh_processes(monkeypatch):
+    monkeypatch.setenv("NOLOCO_WARM_START", "0")
+    starter = warm.Starter()
+    p = starter.start([json.dumps({"not": "a config"})], dict(os.environ))
+    try:
+        assert isinstance(p, subprocess.Popen) and starter.parent is None
+        assert p.wait(timeout=60) != 0
+    finally:
+        p.kill()
+        starter.close()
+
+
+def test_the_process_name_fits_the_kernels_limit():
+    assert process_name(2, 0) == "noloco r2s0"
+    assert len(process_name(12345, 678)) <= 15
