@@ -63,15 +63,6 @@ def under_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def launch_local(cfg: Config, resume: bool = False, must_resume: bool = False) -> int:
-    """Run the whole job on this machine; returns the exit code."""
-    sup = supervisor_for(cfg, resume, must_resume)
-    if sup is None:
-        from noloco.worker import main
-        return main(cfg, resume, must_resume, rundir_ready=True)
-    return sup.run()
-
-
 def supervisor_for(cfg: Config, resume: bool = False, must_resume: bool = False
                    ) -> Supervisor | None:
     """The supervisor of a static run on this machine; None when the run is one worker

@@ -123,9 +123,8 @@ class WarmParent:
         with self.cond:
             self._n += 1
             n = self._n
-        line = json.dumps({"id": n, "args": args, "env": env}).encode() + b"\n"
         try:
-            self._write_all(line)
+            _send(self._req, {"id": n, "args": args, "env": env})
         except OSError:
             return None
         with self.cond:
@@ -139,11 +138,6 @@ class WarmParent:
             p.returncode = self._answers.pop(-answer["pid"], {}).get("code")
             self._procs[p.pid] = p
             return p
-
-    def _write_all(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._req, view):]
 
     def _read(self) -> None:
         buf = b""
