@@ -61,6 +61,7 @@ import common  # noqa: E402
 
 GENERATE_TARGET = 10.0
 """issue 34: the GPU samples at least 10x as many tokens per second as the CPU"""
+STEPS = ("train_fp32", "train_bf16", "train_compile", "checkpoint", "generate", "codecs")
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
@@ -90,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bf16", action="store_true", help="leave the bf16 step out")
     p.add_argument("--compile", action="store_true", help="also train_compile: both loops "
                    "through torch.compile (slow to warm up; off by default)")
+    p.add_argument("--only", default=None, help="run these steps alone (comma-separated: "
+                   + ", ".join(STEPS) + ")")
     p.add_argument("--budget-s", type=float, default=None, help="steps that would start after "
                    "this many seconds are skipped (recorded as such; default 330, --quick 240)")
     p.add_argument("--out", "--out-dir", dest="out", default=None, help="folder for the JSON "
@@ -284,6 +287,14 @@ def train_step(a: argparse.Namespace, tmp: Path, precision: str, compile: bool
 # ---- step: checkpoint cost ------------------------------------------------------------------
 
 def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[str, Any]:
+    # A short run first, not timed: the token cache, the CUDA context and the kernels' first
+    # launches would otherwise be paid by whichever timed run came first (with --only
+    # checkpoint the run without checkpoints took 4-6 s longer than the loop it timed).
+    run_noloco(noloco_argv(a, tmp / "diloco_warmup", "--method", "diloco", "--replicas", "1",
+                           "--sync-every", str(a.sync_every), "--steps", "4",
+                           "--eval-every", "4", "--checkpoint-every", "0",
+                           "--precision", precision))
+    shutil.rmtree(tmp / "diloco_warmup", ignore_errors=True)
     runs: dict[str, Any] = {}
     for name, every in (("no_checkpoints", ["--checkpoint-every", "0"]), ("default", [])):
         out = tmp / f"diloco_{name}"
@@ -304,6 +315,11 @@ def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[st
     return {"precision": precision, "sync_every": a.sync_every, "steps": a.diloco_steps,
             "runs": runs, "wall_ratio": d / z, "checkpoint_share_of_wall": (d - z) / d,
             "train_ratio": td / tz, "checkpoint_share_of_train": (td - tz) / td,
+            # what the loop waits for at each save (the copy), against the loop: the cost a
+            # long run pays; the wait for the last write is paid once per run
+            "blocked_share_of_train": runs["default"]["checkpoint_blocked_seconds"] / td,
+            "blocked_seconds_per_save": runs["default"]["checkpoint_blocked_seconds"]
+            / max(1, runs["default"]["checkpoint_saves"]),
             "model_run": str(tmp / "diloco_default")}
 
 
@@ -529,7 +545,9 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         elif name == "checkpoint":
             lines.append(f"{name:<14} with checkpoints: wall x{v['wall_ratio']:.3f} "
                          f"({100 * v['checkpoint_share_of_wall']:.1f}% of wall), loop "
-                         f"x{v['train_ratio']:.3f} ({100 * v['checkpoint_share_of_train']:.1f}%)")
+                         f"x{v['train_ratio']:.3f} ({100 * v['checkpoint_share_of_train']:.1f}%), "
+                         f"blocked {1e3 * v['blocked_seconds_per_save']:.1f} ms a save "
+                         f"({100 * v['blocked_share_of_train']:.2f}% of the loop)")
         elif name == "generate":
             s = v["sides"]
             lines.append(f"{name:<14} {s[0]['device']} {s[0]['tokens_per_second']:,.1f} tok/s | "
@@ -580,6 +598,11 @@ def plot(rec: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    unknown = sorted(set(a.only.split(",")) - set(STEPS)) if a.only else []
+    if unknown:
+        print(f"gpu.py: no step {', '.join(unknown)} (--only takes {', '.join(STEPS)})",
+              file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     import torch
 
@@ -607,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     steps += [("checkpoint", checkpoint),
               ("generate", lambda: generate_step(a, tmp, model_run[0])),
               ("codecs", lambda: codecs_step(a))]
+    if a.only:
+        steps = [(n, fn) for n, fn in steps if n in a.only.split(",")]
     try:
         for name, fn in steps:
             t0 = time.perf_counter()

@@ -121,3 +121,36 @@ def test_gpu_benchmark_explains_a_difference_in_codec_bytes() -> None:
     q2.payload[0] ^= 0x01
     f = gpu.compare_fp4(x, q, q2)
     assert not f["bytes_equal"] and f["codes_differing"] == 1 and f["examples"][0]["index"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the copy to "
+                    "pinned memory on a side stream)")
+def test_a_gpu_snapshot_holds_the_state_as_of_the_save_while_training_goes_on(tmp_path) -> None:
+    """The checkpointer's copy of CUDA tensors runs on a side stream without the host waiting:
+    the work queued after the save (a long matmul chain, then in-place updates, as an
+    optimizer step does) must neither be seen by the copy nor overtake it, and the file holds
+    the state as of the save."""
+    from noloco import checkpoint as C
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = {f"w{i}": torch.randn(1024, 1024, device=dev, generator=g) for i in range(24)}
+    buf = C.SnapshotBuffer()
+    x = torch.randn(4096, 4096, device=dev, generator=g)
+    for _ in range(20):  # queue work ahead of the save: the copy must wait for it
+        x = torch.tanh(x @ x / 64.0)  # bounded: no inf or NaN (NaN != NaN)
+    for v in w.values():
+        v.add_(x[:1024, :1024])  # part of the state as of the save
+    ref = {k: v.clone() for k, v in w.items()}  # queued too: no host wait before the save
+    tree = {"model": w, "again": w["w0"], "step": 7, "half": w["w1"].to(torch.bfloat16)}
+    snap = buf.copy(tree)
+    assert snap.data.is_pinned() and snap.copied is not None
+    for v in w.values():  # "the next inner step": in place, right behind the copy
+        v.mul_(-3.0).add_(1.0)
+    size, _ = C.write_state(tmp_path / "s.safetensors", snap)
+    back = C.read_state((tmp_path / "s.safetensors").read_bytes())
+    expected = {k: v.cpu() for k, v in ref.items()}
+    assert all(torch.equal(back["model"][k], expected[k]) for k in w)
+    assert torch.equal(back["again"], expected["w0"]) and back["step"] == 7
+    assert len(snap.stored) == 25  # w0 stored once (the same memory), the bf16 copy apart
+    torch.cuda.synchronize()
+    assert all(torch.equal(w[k].cpu(), expected[k] * -3.0 + 1.0) for k in w)

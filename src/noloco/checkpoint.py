@@ -136,6 +136,13 @@ class Snapshot:
     """the distinct views, in the order of their bytes in ``data``"""
     offsets: list[int]
     """where each stored tensor's bytes begin in ``data``"""
+    copied: Any = None
+    """a CUDA event recorded after the device-to-host copies (None: copied already)"""
+
+    def wait(self) -> None:
+        """Block until ``data`` holds the copied bytes (the writer calls it first)."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def span(self, k: int) -> tuple[int, int]:
         """First and past-the-end byte of stored tensor k in ``data``."""
@@ -161,11 +168,19 @@ class SnapshotBuffer:
     - The block is laid out exactly as the file's data section, page-aligned, so the writer
       can hand it to the disk with direct I/O, bypassing the page cache (whose copying and
       write-back competed with training for cores and memory bandwidth).
+    - A tree with CUDA tensors is copied into pinned host memory on a side stream, without
+      the host waiting: the side stream starts after the work queued so far (the copy sees
+      the state as of this call) and the training stream waits for the copy before any work
+      queued after this call (an in-place update cannot overtake it). The writer waits for
+      the copy's event. CUDA tensors are deduplicated by identity (the same memory), not by
+      content: comparing contents would make the host wait for the device once per tensor.
     """
 
     def __init__(self) -> None:
         self._mm: mmap.mmap | None = None
         self._data: torch.Tensor | None = None
+        self._side: Any = None
+        """the side stream device-to-host copies run on (created on first use)"""
 
     def copy(self, tree: Any) -> Snapshot:
         unique: list[torch.Tensor] = []
@@ -174,7 +189,16 @@ class SnapshotBuffer:
 
         def find(t: torch.Tensor) -> None:
             d = t.detach()
-            key = _fingerprint(d)
+            key = _fingerprint(d) if not d.is_cuda else (
+                "cuda", d.device.index, d.data_ptr(), tuple(d.shape), tuple(d.stride()), d.dtype)
+            if d.is_cuda:  # the same memory viewed alike: the same bytes, no comparison
+                if key in buckets:
+                    index[id(t)] = buckets[key][0]
+                    return
+                buckets[key] = [len(unique)]
+                index[id(t)] = len(unique)
+                unique.append(d)
+                return
             for k in buckets.get(key, ()):
                 # Bytes, not values: -0.0 == 0.0, and a stored copy must be bit for bit.
                 if torch.equal(_bytes(unique[k]), _bytes(d)):
@@ -190,13 +214,42 @@ class SnapshotBuffer:
             starts.append(offset)
             offset = -(-(offset + t.numel() * t.element_size()) // _ALIGN) * _ALIGN
         size = max(BLOCK, -(-offset // BLOCK) * BLOCK)
-        if self._data is None or self._data.numel() != size:
-            self._mm = mmap.mmap(-1, size)
-            self._data = torch.frombuffer(self._mm, dtype=torch.uint8)
+        devices = {t.device for t in unique if t.is_cuda}
+        if len(devices) > 1:
+            raise ValueError(f"a checkpoint's state lives on one device, not {sorted(devices)}")
+        device = next(iter(devices), None)
+        if self._data is None or self._data.numel() != size or self._data.is_pinned() != (
+                device is not None):
+            if device is None:
+                self._mm = mmap.mmap(-1, size)
+                self._data = torch.frombuffer(self._mm, dtype=torch.uint8)
+            else:  # page-locked: the copy runs at the link's speed and asynchronously
+                self._mm = None
+                self._data = torch.empty(size, dtype=torch.uint8, pin_memory=True)
         data = self._data
-        views = [data[b:b + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+        views = [data[b:b + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                  for t, b in zip(unique, starts, strict=True)]
-        return Snapshot(_map_tensors(tree, lambda t: views[index[id(t)]]), data, views, starts)
+        copied = None
+        if device is None:
+            for v, t in zip(views, unique, strict=True):
+                v.copy_(t)
+        else:
+            copied = self._copy_from_device(device, views, unique)
+        return Snapshot(_map_tensors(tree, lambda t: views[index[id(t)]]), data, views, starts,
+                        copied)
+
+    def _copy_from_device(self, device: torch.device, views: list[torch.Tensor],
+                          unique: list[torch.Tensor]) -> Any:
+        if self._side is None or self._side.device != device:
+            self._side = torch.cuda.Stream(device)
+        train = torch.cuda.current_stream(device)
+        self._side.wait_stream(train)
+        with torch.cuda.stream(self._side):
+            for v, t in zip(views, unique, strict=True):
+                v.copy_(t, non_blocking=t.is_cuda)
+            copied = self._side.record_event()
+        train.wait_stream(self._side)
+        return copied
 
 
 # ---- the file format: safetensors, with the state tree's shape in its metadata ----------------
@@ -286,6 +339,7 @@ def write_state(path: Path, state: Any) -> tuple[int, str]:
     block, written in chunks, each hashed and written without holding the GIL; with direct
     I/O where the file system has it (not tmpfs)."""
     snap = state if isinstance(state, Snapshot) else SnapshotBuffer().copy(state)
+    snap.wait()
     head = _header(snap)
     head_block = mmap.mmap(-1, len(head))  # page-aligned, as direct I/O wants
     head_block.write(head)
