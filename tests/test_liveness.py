@@ -321,12 +321,17 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
     for it; replica 2, far behind when it wakes, catches up by taking a
     live replica's state and exchanges again."""
     timeout = 3.0
+    steps = 320
     out = tmp_path / "run"
+    # Every replica's steps stretched 4 x (sleeping costs no CPU): the others train some
+    # 50-150 steps during the hang (a loaded machine to an idle one) and on for over 100
+    # after it, at half the CPU of the 600 full-speed steps this took before.
+    slow = ",".join(f"slow:{r}:4" for r in range(4))
     r = subprocess.run(
         [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
-         "--method", "noloco", "--replicas", "4", "--steps", "600", "--sync-every", "10",
-         "--eval-every", "200", "--elastic", "--peer-timeout", str(timeout), "--threads", "1",
-         "--inject-fault", f"hang:2@40:{4 * timeout}", "--out", str(out)],
+         "--method", "noloco", "--replicas", "4", "--steps", str(steps), "--sync-every", "10",
+         "--eval-every", "160", "--elastic", "--peer-timeout", str(timeout), "--threads", "1",
+         "--inject-fault", f"hang:2@40:{4 * timeout},{slow}", "--out", str(out)],
         capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr
     assert "hangs after step 40" in r.stderr
@@ -340,7 +345,7 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
               if e["kind"] == "absent" and 2 in e["missing"]]
     assert 1 <= len(waited) <= 2 and len({r for r, _ in waited}) == len(waited), s["events"]
     healed = [j for j in s["joins"] if j.get("kind") == "healed"]
-    assert healed and healed[0]["step"] > healed[0]["step_before"] + 40, s["joins"]
+    assert healed and healed[0]["step"] > healed[0]["step_before"] + 20, s["joins"]
     # after catching up it is a partner again: it sent more than before the hang
-    per_exchange = s["bytes_sent_per_replica"]["0"] / 60
+    per_exchange = s["bytes_sent_per_replica"]["0"] / (steps // 10)
     assert s["bytes_sent_per_replica"]["2"] > 6 * per_exchange

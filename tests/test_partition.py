@@ -32,16 +32,17 @@ def records(path: Path) -> list[dict]:
 
 
 def start_machines(ns: netns.Namespaces, host: str, port: int, env: dict[str, str],
-                   outs: list[Path], corpus: Path, method: str, steps: int
+                   outs: list[Path], corpus: Path, method: str, steps: int, slow: int
                    ) -> list[subprocess.Popen]:
     """Machine 0 runs replicas 0-1, machine 1 replicas 2-3, at the coordinator; every step
-    slowed to ~0.1 s so the run outlasts the cut."""
+    stretched ``slow`` x (it sleeps: no CPU) so that the run outlasts the cut with few
+    steps."""
     return [ns.popen(m, [sys.executable, "-m", "noloco", "train", *SMALL,
                          "--data", str(corpus), "--method", method,
                          "--replicas", "4", "--steps", str(steps), "--sync-every", "10",
                          "--eval-every", "10", "--elastic", "--peer-timeout", str(TIMEOUT),
                          "--comm-timeout", "8",
-                         "--inject-fault", "slow:0:8,slow:1:8,slow:2:8,slow:3:8",
+                         "--inject-fault", ",".join(f"slow:{r}:{slow}" for r in range(4)),
                          "--coordinator", f"{host}:{port}", "--replica-ids", ids,
                          "--out", str(out)],
                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -67,8 +68,8 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.4.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        procs = start_machines(ns, host, port, env, outs, corpus, method, 300)
-        wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 60, procs)
+        procs = start_machines(ns, host, port, env, outs, corpus, method, 150, slow=16)
+        wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 30, procs)
         ns.cut(1)
         time.sleep(CUT)
         ns.cut(1, False)
@@ -95,7 +96,7 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
     assert [c for c in s0["partitions"] if c["cause"] == "unreachable"] == []
     for r in (2, 3):
         recs = records(outs[1] / "metrics" / f"replica-{r}.jsonl")
-        assert recs[-1]["step"] == 300
+        assert recs[-1]["step"] == 150
         after = [x for x in recs if x["t"] > back_at + 4 * TIMEOUT]
         if method == "noloco":  # exchanging again: its bytes grow after the partition
             assert after[-1]["bytes_sent"] > after[0]["bytes_sent"], (r, after)
@@ -121,7 +122,10 @@ def test_a_machine_cut_off_for_good_finishes_alone(tmp_path, corpus):
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.5.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        procs = start_machines(ns, host, port, env, outs, corpus, "noloco", 120)
+        # Not longer than this: cut off for longer, its partition is listed as closed while
+        # the link is still down (a beat written into the socket's buffer counts as
+        # delivered; issue 36).
+        procs = start_machines(ns, host, port, env, outs, corpus, "noloco", 120, slow=8)
         wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 30, procs)
         ns.cut(1)
         results = [p.communicate(timeout=240) for p in procs]

@@ -1,5 +1,4 @@
-import sys
-
 from noloco.cli import main
+from noloco.exiting import exit_now
 
-sys.exit(main())
+exit_now(main())

@@ -179,6 +179,7 @@ class SnapshotBuffer:
     def __init__(self) -> None:
         self._mm: mmap.mmap | None = None
         self._data: torch.Tensor | None = None
+        self._pinned = False
         self._side: Any = None
         """the side stream device-to-host copies run on (created on first use)"""
 
@@ -218,14 +219,19 @@ class SnapshotBuffer:
         if len(devices) > 1:
             raise ValueError(f"a checkpoint's state lives on one device, not {sorted(devices)}")
         device = next(iter(devices), None)
-        if self._data is None or self._data.numel() != size or self._data.is_pinned() != (
+        # (is_pinned() itself is not asked: on a machine with a GPU it would create a CUDA
+        # context in a CPU worker)
+        if self._data is None or self._data.numel() != size or self._pinned != (
                 device is not None):
+            self._pinned = device is not None
             if device is None:
                 self._mm = mmap.mmap(-1, size)
                 self._data = torch.frombuffer(self._mm, dtype=torch.uint8)
             else:  # page-locked: the copy runs at the link's speed and asynchronously
                 self._mm = None
-                self._data = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+                # zeroed: the padding between tensors goes to disk too, and the host
+                # allocator may hand back memory that held something else
+                self._data = torch.zeros(size, dtype=torch.uint8, pin_memory=True)
         data = self._data
         views = [data[b:b + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                  for t, b in zip(unique, starts, strict=True)]
@@ -242,12 +248,15 @@ class SnapshotBuffer:
                           unique: list[torch.Tensor]) -> Any:
         if self._side is None or self._side.device != device:
             self._side = torch.cuda.Stream(device)
+        # Ordered against the current stream only: noloco queues all its work there (no
+        # stream of its own but this one), so the state as of now is what that stream holds.
         train = torch.cuda.current_stream(device)
         self._side.wait_stream(train)
         with torch.cuda.stream(self._side):
             for v, t in zip(views, unique, strict=True):
                 v.copy_(t, non_blocking=t.is_cuda)
-            copied = self._side.record_event()
+        copied = torch.cuda.Event(blocking=True)  # the writer sleeps on it instead of spinning
+        copied.record(self._side)
         train.wait_stream(self._side)
         return copied
 

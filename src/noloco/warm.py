@@ -15,10 +15,10 @@ What makes a forked worker the same as a fresh one:
 - the child runs with exactly the environment a fresh worker would get (``os.environ`` is
   replaced before any worker code reads it), in a session of its own, under the process name
   ``noloco r<replica>s<stage>`` (what ``ps`` and ``top`` show);
-- it ends as a fresh process ends — its exit code, atexit handlers, non-daemon threads
-  joined, streams flushed — and the warm parent, which reaps it, reports its exit status to
-  the launcher, whose handle answers like a :class:`subprocess.Popen` (``pid``, ``poll``,
-  ``wait``, ``send_signal``, ``kill``);
+- it ends as a fresh worker ends (:func:`noloco.exiting.exit_now`: its exit code, non-daemon
+  threads joined, atexit handlers, files flushed; no teardown of the interpreter), and the
+  warm parent, which reaps it, reports its exit status to the launcher, whose handle answers
+  like a :class:`subprocess.Popen` (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``);
 - nothing outlives the launcher: a child dies with the warm parent and the warm parent with
   the launcher (``PR_SET_PDEATHSIG``); the warm parent exits when the launcher closes it and
   its last child has ended.
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 READY_SECONDS = 120.0
 """how long a launcher waits for its warm parent to import everything (else: fresh starts)"""
@@ -294,19 +294,22 @@ def serve(req: int, resp: int, launcher: int) -> int:
     return 0
 
 
-def _child(msg: dict[str, Any], parent: int, fds: tuple[int, int]) -> int:
+def _child(msg: dict[str, Any], parent: int, fds: tuple[int, int]) -> NoReturn:
     os.setsid()
     for fd in fds:
         os.close(fd)
     os.environ.clear()
     os.environ.update(msg["env"])
+    from noloco.exiting import exit_now
     from noloco.worker import die_with, entry
 
     die_with(parent)
     sys.argv = ["noloco.worker", *msg["args"]]
 
-    return entry(msg["args"])
+    exit_now(entry(msg["args"]))
 
 
 if __name__ == "__main__":
-    sys.exit(serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))
+    from noloco.exiting import exit_now
+
+    exit_now(serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])))

@@ -29,6 +29,7 @@ from noloco.comm import CommError, Communicator
 from noloco.config import Config, ConfigError
 from noloco.distributed import Layout, init_distributed, limit_threads, pick_device
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, Interrupted, StoreLost, Superseded
+from noloco.exiting import exit_now
 from noloco.rundir import RunDir, os_error_line
 from noloco.train import Trainer, check_identical_start
 
@@ -335,4 +336,4 @@ def entry(args: list[str]) -> int:
 
 if __name__ == "__main__":
     _die_with_launcher()
-    sys.exit(entry(sys.argv[1:]))
+    exit_now(entry(sys.argv[1:]))
