@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow("a coordinator killed and restarted under elastic 
 RUN = [*SMALL, "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
        "--peer-timeout", "3"]
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
-STEPS = 200
+STEPS = 120
 """long enough that the replicas train on well after the coordinator is back (the steps are
 slowed down: the outage is a share of the run's wall time, not of its compute)"""
 
@@ -70,9 +70,9 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, c
     coord = coordinator(port)
     out = tmp_path / "run"
     # Steps of a real model take seconds, not this one's 50 ms: slowed down (it changes no
-    # number, and sleeping costs no CPU), the outage of about 7 s is some 25-40 steps of 200,
+    # number, and sleeping costs no CPU), the outage of about 7 s is some 15-25 steps of 120,
     # not half the run.
-    slow = 6
+    slow = 10
     proc = train(out, corpus, port, "--method", method, "--steps", str(STEPS),
                  "--inject-fault", ",".join(f"slow:{r}:{slow}" for r in range(4)))
     try:
@@ -102,15 +102,16 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, c
     assert sum(o["operations_skipped"] for o in restarts) >= 1
     assert "restarted empty" in err
     # The replicas met again after it: each exchanged (or all-reduced) in the new epoch.
-    assert max(o["to_step"] for o in restarts) < STEPS - 60
+    assert max(o["to_step"] for o in restarts) < STEPS - 40
     for r in range(4):
         assert json.loads((out / "metrics" / f"replica-{r}.json").read_text())["epoch"] == 1
         sent = {json.loads(x)["step"]: json.loads(x)["bytes_sent"] for x in
                 (out / "metrics" / f"replica-{r}.jsonl").read_text().splitlines()}
         assert sent[STEPS] > sent[STEPS - 40], sent
     # NoLoCo within 2%. DiLoCo pays more: its first all-reduce after the outage is one outer
-    # step over all of it (H ~ 80 instead of 10, with Nesterov momentum); measured +2.2% to
-    # +2.9% here whatever the outage's share of the run (12-50%), so its bound is 4%.
+    # step over all of it (H ~ 30-40 instead of 10, with Nesterov momentum); measured +2.2% to
+    # +2.9% at 200 steps whatever the outage's share of the run (12-50%), and -0.5% (NoLoCo)
+    # and +0.3% (DiLoCo) at these 120, so its bound is 4%.
     ref_loss = summary(tmp_path / "ref")["final_val_loss"]
     bound = {"noloco": 0.02, "diloco": 0.04}[method]
     assert abs(s["final_val_loss"] - ref_loss) <= bound * ref_loss, (s["final_val_loss"],
