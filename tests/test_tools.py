@@ -265,3 +265,25 @@ def test_an_injected_kill_publishes_the_step_before_the_signal(monkeypatch) -> N
     assert seen == []
     inj.after_step(5)
     assert seen == ["beat", f"signal {signal.SIGKILL}"]
+
+
+def test_evaluation_lines_fit_80_columns(capsys):
+    """An evaluation line within a terminal's 80 columns, whatever the sizes (issue 38)."""
+    from noloco.metrics import Progress, short_bytes
+
+    assert [short_bytes(n) for n in (0, 980, 9_949, 12_345, 1.234e6, 3.4e8, 999_600, 1.2e9,
+                                     1.5e13, 2e16)] == [
+        "0 B", "980 B", "9.9 kB", "12 kB", "1.2 MB", "340 MB", "1.0 MB", "1.2 GB", "15 TB",
+        "20000 TB"]
+    p = Progress(enabled=True, total=99_999)
+    for rec, blocked in (({"step": 0, "train_loss": None}, 0.0),
+                         ({"step": 99_999, "train_loss": 12.3456}, 99.94),
+                         ({"step": 5, "train_loss": 2.34564}, 123.4)):
+        p.eval_line({**rec, "val_loss": 10.1234, "weight_spread": 1.234e-3,
+                     "bytes_sent": 123.4e9, "sync_seconds": blocked, "wall_seconds": 12345.6})
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(len(x) <= 80 for x in lines), [len(x) for x in lines]
+    assert lines[0].startswith("step     0  train   —     val 10.123  spread 1.2e-03")
+    assert lines[1].startswith("step 99999  train 12.346")
+    assert lines[1].endswith("sent 123 GB  blocked 99.9s")
+    assert lines[2].startswith("step     5  train 2.3456") and lines[2].endswith("blocked 123s")

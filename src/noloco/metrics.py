@@ -132,6 +132,20 @@ def duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
+def _loss(x: float) -> str:
+    """A loss in 6 characters: 2.3456, 12.346."""
+    return f"{x:.4f}" if abs(x) < 9.99995 else f"{x:.3f}"
+
+
+def short_bytes(n: float) -> str:
+    """Bytes in at most 6 characters: 0 B, 980 B, 12 kB, 1.2 MB, 340 MB, 1.2 GB, 15 TB."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 999.5 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" and n < 9.95 else f"{n:.0f} {unit}"
+        n /= 1000
+    raise AssertionError  # unreachable
+
+
 class Progress:
     """A rich progress bar on a terminal; plain lines otherwise (logs, CI)."""
 
@@ -203,12 +217,14 @@ class Progress:
             print(msg, flush=True)
 
     def eval_line(self, rec: dict[str, Any]) -> None:
+        """One line per evaluation, within 80 columns (a terminal's width; the time so far
+        is the progress line's)."""
         train = rec["train_loss"]
-        train = "   —  " if train is None or train != train else f"{train:.4f}"  # none at step 0
-        self.line(f"step {rec['step']:>6} | train {train} | val "
-                  f"{rec['val_loss']:.4f} | spread {rec['weight_spread']:.2e} | sent "
-                  f"{rec['bytes_sent'] / 1e6:,.1f} MB | blocked {rec['sync_seconds']:.2f} s | "
-                  f"{rec['wall_seconds']:.1f} s")
+        train = "  —   " if train is None or train != train else _loss(train)  # none at step 0
+        b = rec["sync_seconds"]
+        self.line(f"step {rec['step']:>5}  train {train}  val {_loss(rec['val_loss'])}  spread "
+                  f"{rec['weight_spread']:.1e}  sent {short_bytes(rec['bytes_sent'])}  blocked "
+                  + (f"{b:.1f}s" if b < 99.95 else f"{b:.0f}s"))
 
     def close(self) -> None:
         if self.bar is not None:
