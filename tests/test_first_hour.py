@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -373,7 +374,8 @@ def test_status_watches_a_static_run(words, single, tmp_path) -> None:
             stdout=f, stderr=subprocess.PIPE, text=True)
         try:
             # summary.json follows the run (it read "last_step": 0 until the run ended)
-            wait_for(lambda: "step      4 |" in log.read_text(), 120, "an evaluation")
+            wait_for(lambda: re.search(r"^step +4  train", log.read_text(), re.M), 120,
+                     "an evaluation")
             step = wait_for(lambda: summary(out)["last_step"], 60, "a step in summary.json")
             assert summary(out)["status"] == "running"
             r = cli("status", str(out))
