@@ -190,19 +190,13 @@ class SnapshotBuffer:
 
         def find(t: torch.Tensor) -> None:
             d = t.detach()
+            # A CUDA tensor's key is its memory viewed alike: a match is the same bytes, with
+            # no comparison (which would make the host wait for the device).
             key = _fingerprint(d) if not d.is_cuda else (
                 "cuda", d.device.index, d.data_ptr(), tuple(d.shape), tuple(d.stride()), d.dtype)
-            if d.is_cuda:  # the same memory viewed alike: the same bytes, no comparison
-                if key in buckets:
-                    index[id(t)] = buckets[key][0]
-                    return
-                buckets[key] = [len(unique)]
-                index[id(t)] = len(unique)
-                unique.append(d)
-                return
             for k in buckets.get(key, ()):
                 # Bytes, not values: -0.0 == 0.0, and a stored copy must be bit for bit.
-                if torch.equal(_bytes(unique[k]), _bytes(d)):
+                if d.is_cuda or torch.equal(_bytes(unique[k]), _bytes(d)):
                     index[id(t)] = k
                     return
             buckets.setdefault(key, []).append(len(unique))
