@@ -127,6 +127,36 @@ def test_a_failing_heartbeat_backs_off_and_beats_again(store, capfd):
     m.stop()
 
 
+class DeadLink:
+    """A connection over a link that went down without a reset: a set, which the client only
+    writes into its socket, goes without a word; a request that waits for an answer fails
+    (its deadline, :class:`noloco.elastic.deadline.DeadlineStore`)."""
+
+    def set(self, key, value):
+        pass
+
+    def add(self, key, value):
+        raise TimeoutError("the store did not answer within the request's deadline")
+
+    get = compare_set = check = wait = add
+
+
+@pytest.mark.timeout(30)
+def test_a_beat_written_into_a_dead_link_does_not_count_as_delivered(store, capfd):
+    """Cut off to the end of the run: the period is listed open, not closed by the last
+    beat that only reached the socket's buffer (issue 36)."""
+    m = Membership(store, 0, 1, peer_timeout=0.5).start()
+    dead = DeadLink()
+    m._beat_store = m.store = dead
+    m._connect = lambda: dead
+    time.sleep(1.2)  # beats every 0.1 s, none answered: cut off after 0.5 s
+    assert m.cut_off()
+    m.finish()
+    assert [c["open"] for c in m.cuts] == [True], m.cuts
+    assert m.cuts[0]["cause"] == "unreachable"
+    assert "beating again" not in capfd.readouterr().err
+
+
 FAKETIME = shutil.which("faketime")
 
 

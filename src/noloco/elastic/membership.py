@@ -173,10 +173,12 @@ class Membership:
             self._thread.start()
         return self
 
-    def beat(self, done: bool = False) -> None:
+    def beat(self, done: bool = False) -> int | None:
+        """Write this worker's heartbeat and see it arrive; returns the join requests made to
+        this replica so far (None when fenced: a newer incarnation owns the replica)."""
         with self._beat_lock:
             if self.owner is not None:  # fenced: the newer owner's heartbeat is the replica's
-                return
+                return None
             if self._beat_store is None:  # the last beat failed: a new connection
                 self._beat_store = self._connect()
             now = time.monotonic()
@@ -192,6 +194,11 @@ class Membership:
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
                  "commits": self.commits, **self.info,
                  **({"done": True} if done else {})}))
+            # A set gets no answer (the client writes it into its socket and goes on): over a
+            # link that is down it "succeeds" until the socket's buffer fills. The beat went
+            # through only once the store answers a request sent after it (answers come in
+            # order on a connection); until then the worker is still cut off.
+            requests = int(self._beat_store.add(join_key(self.replica), 0))
             if now - self.last_beat > self.peer_timeout:  # it was cut off meanwhile
                 self.cuts.append({"replica": self.replica, "stage": self.stage,
                                   "from_step": self._beat_step, "to_step": self.step,
@@ -205,6 +212,7 @@ class Membership:
                 if self._failing:  # it trained on meanwhile: eligible for the next snapshot
                     self._beat_store.set(missed_key(self.replica), "")
             self.last_beat, self._beat_step, self._failing = now, self.step, False
+            return requests
 
     def nudge(self) -> None:
         """Beat now, from the training thread, to publish a changed flag at once; a failure is
@@ -228,10 +236,11 @@ class Membership:
         wait = self.interval
         while not self._stop.wait(wait):
             try:
-                self.beat()
-                # Read here, off the training loop: a store round trip per inner step would
-                # cost a network latency per step across machines.
-                requests = int(self._beat_store.add(join_key(self.replica), 0))
+                # Join requests are read with the beat, off the training loop: a store round
+                # trip per inner step would cost a network latency per step across machines.
+                requests = self.beat()
+                if requests is None:  # fenced: this process stops at its next step
+                    return
                 seen = requests > self.join_requests
                 self.join_requests = requests
                 if seen and self.stage > 0:
