@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import re
 import shutil
@@ -280,22 +281,34 @@ def test_the_advice_on_more_steps_keeps_to_the_schedule(words, single, tmp_path,
 
 # ---- 7. Ctrl-C keeps the work: a checkpoint of the step reached, and advice that works ------
 
-def _interrupt(out: Path, data: Path, *args: str, after: int = 4) -> tuple[int, str]:
+def _interrupt(out: Path, data: Path, *args: str, after: int = 4,
+               torchrun: int = 0) -> tuple[int, str]:
     """``noloco train`` in a fresh process, SIGINT once its progress line shows step
-    ``after``: (exit code, stderr). Checkpoints every 100 steps: none before the signal."""
+    ``after``: (exit code, stderr). Checkpoints every 100 steps: none before the signal.
+    ``torchrun``: that many workers under torchrun, and the SIGINT to the whole process
+    group, as a Ctrl-C at a terminal sends it (torchrun and every worker get it)."""
     log = out.parent / f"{out.name}.stdout"
+    launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(torchrun)] if torchrun else [sys.executable])
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "noloco", "train", "--data", str(data), *SMALL,
+            [*launch, "-m", "noloco", "train", "--data", str(data), *SMALL,
              "--steps", "100000", "--checkpoint-every", "100", "--eval-every", "1000",
              "--log-every", "1", *args, "--out", str(out)],
-            stdout=f, stderr=subprocess.PIPE, text=True)
+            stdout=f, stderr=subprocess.PIPE, text=True, start_new_session=bool(torchrun))
         try:
             wait_for(lambda: f"step {after:>6}/" in log.read_text(), 120, f"step {after}")
-            proc.send_signal(signal.SIGINT)
+            if torchrun:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGINT)
             _, err = proc.communicate(timeout=60)
         finally:
-            proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                if torchrun:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
     return proc.returncode, err
 
 
@@ -326,6 +339,30 @@ def test_an_interrupted_run_resumes_from_the_step_it_reached(words, tmp_path, ar
     s = summary(out)
     assert s["status"] == "completed" and s["resumed_from_step"] == step
     assert s["steps"] == step + 2
+
+
+@pytest.mark.slow("torchrun and its workers stopped by a terminal's SIGINT")
+@pytest.mark.timeout(240)
+def test_a_ctrl_c_under_torchrun_keeps_the_step_reached(words, tmp_path) -> None:
+    """The terminal's SIGINT reaches every worker directly and again through torchrun: one
+    stop, not two (a second signal would stop at once, without the checkpoint); the workers
+    agree on a step in torchrun's store and save it, and the resume starts there."""
+    from noloco.checkpoint import complete_steps
+
+    out = tmp_path / "early"
+    code, err = _interrupt(out, words, "--method", "diloco", "--replicas", "2",
+                           "--sync-every", "5", torchrun=2)
+    assert code != 0, err
+    s = summary(out)
+    step = s["last_step"]
+    assert s["status"] == "interrupted" and 4 <= step < 100, err
+    assert complete_steps(out / "checkpoints", 2) == [step], err
+    assert (f"noloco: stopped by SIGINT at step {step} (torchrun restarts the workers if its "
+            f"--max-restarts allows); continue with: noloco train --resume {out}") in err, err
+    r = cli("train", "--resume", str(out), "--steps", str(step + 2))
+    assert r.returncode == 0, r.stderr
+    assert f"noloco: resuming from checkpoints/step-{step:08d} (step {step})\n" in r.stderr
+    assert summary(out)["resumed_from_step"] == step
 
 
 def test_the_interrupt_line_never_advises_a_resume_that_fails(tmp_path) -> None:

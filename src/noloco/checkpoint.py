@@ -81,17 +81,20 @@ def complete_steps(root: Path, world: int) -> list[int]:
             if all(receipt_file(root, s, r).is_file() for r in range(world))]
 
 
-def interrupted_line(out: Path | str, step: int, world: int) -> str:
+def interrupted_line(out: Path | str, step: int, world: int, how: str = "interrupted",
+                     note: str = "") -> str:
     """The one line of a run interrupted at ``step``: the resume command only where one works
     (every worker finished a checkpoint), and which steps it redoes when its checkpoint is
-    older than ``step``; without a checkpoint, how to start again instead."""
+    older than ``step``; without a checkpoint, how to start again instead. ``how`` it
+    stopped, and a ``note`` after the step."""
     newest = complete_steps(Path(out) / "checkpoints", world)
     if not newest:
-        return (f"noloco: interrupted at step {step}, with no checkpoint to resume from; "
+        return (f"noloco: {how} at step {step}{note}, with no checkpoint to resume from; "
                 f"start again with the same command and --overwrite")
     redo = (f"; its newest checkpoint is of step {newest[0]}: the resume redoes steps "
             f"{newest[0] + 1}-{step}" if newest[0] < step else "")
-    return f"noloco: interrupted at step {step}{redo}; continue with: noloco train --resume {out}"
+    return (f"noloco: {how} at step {step}{note}{redo}; continue with: noloco train --resume "
+            f"{out}")
 
 
 # ---- copying a state tree -------------------------------------------------------------------

@@ -46,6 +46,9 @@ from noloco.watchdog import Watchdog
 STOP_PAUSE_SECONDS = 0.2
 """how long a worker asked to stop waits at a step boundary for the others' steps before it
 takes one more step (one may be in a collective that needs this worker to go on)"""
+STOP_AGREE_SECONDS = 10.0
+"""how long the workers may take to agree on the step they stop at after a signal (they all
+got it within a step); past it, they stop at once without a checkpoint"""
 
 AVERAGED_METHODS = ("diloco", "noloco", "streaming", "sparseloco")
 """methods whose replicas end with different weights: their mean is saved as a model too"""
@@ -373,11 +376,12 @@ class Trainer:
         if lay.rank == 0:
             self.rundir.write_summary(running)
         # A stop waits for the step boundary, where a checkpoint holds the whole state: alone,
-        # or under our launcher, which signals every worker (the workers agree on the step in
-        # its store). Under torchrun a signal may reach some workers only: it stops at once.
+        # or under a launcher that signals every worker, ours or torchrun (the workers agree
+        # on the step in its store). Elsewhere a signal may reach some workers only.
         self.status.graceful = not cfg.method.elastic and (
             lay.world == 1 or (self.ctx.store is not None
-                               and os.environ.get("NOLOCO_SUPERVISED") == "1"))
+                               and (os.environ.get("NOLOCO_SUPERVISED") == "1"
+                                    or "TORCHELASTIC_RUN_ID" in os.environ)))
         self.t_loop = time.perf_counter()
         comm, method, inner, runner = self.comm, self.method, self.inner, self.runner
         if self.resumed_from is None:
@@ -445,6 +449,11 @@ class Trainer:
                 self.stop_step = self.stop_step or self.agree_stop_step()
                 if self.stop_step is not None and st.step >= self.stop_step:
                     self.stop_here()
+                if self.stop_step is None and time.monotonic() - self.status.signalled_at \
+                        > max(STOP_AGREE_SECONDS, 3 * (c1 - s0)):
+                    # Not every worker got the signal (one died, and torchrun stops the
+                    # rest to restart them): no common step to save, stop now.
+                    raise Interrupted(self.status.stop_signal)
         self.status.graceful = False
         return self.end(log)
 

@@ -47,6 +47,8 @@ class WorkerStatus:
     """set by the training loop while a stop can wait for its next step boundary (where it
     checkpoints first): the first SIGINT/SIGTERM then only sets :attr:`stop_signal`"""
     stop_signal: int | None = None
+    signalled_at: float = 0.0
+    """when the stop signal came (monotonic seconds)"""
 
 
 def run(cfg: Config, resume: bool = False, must_resume: bool = False,
@@ -155,6 +157,9 @@ class QuietExit(Exception):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+REPEAT_SECONDS = 1.0
+"""a stop signal this soon after the first is the same stop delivered twice, not a second
+Ctrl-C (which stops at once)"""
 
 
 def _raise_interrupted(signum: int, _frame: Any) -> None:
@@ -186,10 +191,10 @@ def classify(e: BaseException, status: WorkerStatus) -> tuple[int, str, str, int
     if isinstance(e, (Interrupted, KeyboardInterrupt)):
         signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
         if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun may be stopping us to restart us
-            return 128 + signum, "interrupted", (
-                f"noloco: stopped by {signal.Signals(signum).name} at step {status.step} "
-                f"(torchrun restarts the workers if its --max-restarts allows; else continue "
-                f"with: noloco train --resume {status.out})"), None
+            return 128 + signum, "interrupted", ckpt_mod.interrupted_line(
+                status.out, status.step, status.lay.world,
+                how=f"stopped by {signal.Signals(signum).name}",
+                note=" (torchrun restarts the workers if its --max-restarts allows)"), None
         return 128 + signum, "interrupted", ckpt_mod.interrupted_line(
             status.out, status.step, status.lay.world), None
     if isinstance(e, CommError):
@@ -224,9 +229,15 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
     def on_signal(signum: int, frame: Any) -> None:
         # Our launcher asks its workers to stop with SIGINT (a user's Ctrl-C or SIGTERM to
         # it), and to stop at once with SIGTERM (a worker failed: the others must not wait).
+        now = time.monotonic()
+        if status.stop_signal is not None and now - status.signalled_at < REPEAT_SECONDS:
+            # The same stop twice: a Ctrl-C at a terminal reaches torchrun's workers (in its
+            # process group) and again through torchrun, which passes it on.
+            return
         if (status.graceful and status.stop_signal is None
                 and (signum == signal.SIGINT or not supervised)):
-            status.stop_signal = signum  # the loop checkpoints and stops at its next step
+            # the loop checkpoints and stops at its next step
+            status.stop_signal, status.signalled_at = signum, now
             return
         _raise_interrupted(signum, frame)  # a second signal, or outside the loop: now
 
