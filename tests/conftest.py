@@ -7,6 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import lanes
 import pytest
 
 # Tests run many worker processes on few cores: one thread each.
@@ -55,6 +56,9 @@ def corpus(tmp_path_factory) -> Path:
 # `@pytest.mark.slow("why")` (or a module's `pytestmark`); the reason is required, so the
 # marker says what makes the test slow (tests/README.md).
 
+LONGEST = ("test_elastic_machines.py", "test_partition.py", "test_coordinator.py")
+"""files of tests that wait minutes (shaped links, cuts, a restarted coordinator)"""
+
 FAST_TEST_SECONDS = 10.0
 """a fast-tier test that takes longer is named at the end of the run: mark it slow or trim it"""
 
@@ -63,16 +67,46 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "slow(why): needs processes, namespaces, faketime, etcd or a browser; "
         "left out of the fast tier (-m 'not slow')")
+    config.addinivalue_line(
+        "markers", "alone(why): keeps both cores busy by itself; in a parallel run (-n 2) it "
+        "runs with no other test beside it (tests/lanes.py)")
+    # The controller of a parallel run makes the lanes' lock before it starts them.
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config._lanes_folder = lanes.make_folder()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    folder = getattr(config, "_lanes_folder", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+_lane = None
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """In a lane of a parallel run: hold the lanes' lock from the test's setup to its teardown,
+    exclusive for an ``alone`` test (tests/lanes.py)."""
+    global _lane
+    if _lane is None:
+        _lane = lanes.for_this_lane() or False
+    if not _lane:
+        yield
+        return
+    with _lane.hold(alone=item.get_closest_marker("alone") is not None):
+        yield
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it is given
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        mark = item.get_closest_marker("slow")
-        if mark is not None and not (mark.args and isinstance(mark.args[0], str)
-                                     and mark.args[0].strip()):
-            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.slow needs its reason, "
-                                    f'as in @pytest.mark.slow("4 worker processes")')
+        for name, example in (("slow", "4 worker processes"), ("alone", "4 replicas flat out")):
+            mark = item.get_closest_marker(name)
+            if mark is not None and not (mark.args and isinstance(mark.args[0], str)
+                                         and mark.args[0].strip()):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{name} needs its reason, "
+                                        f'as in @pytest.mark.{name}("{example}")')
         # Tests that share a module-scoped fixture (a training run, a cluster) run in one
         # xdist worker (--dist loadgroup), so the fixture is built once, not once per worker.
         info = getattr(item, "_fixtureinfo", None)
@@ -80,9 +114,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 defs and defs[-1].scope == "module"
                 for defs in (info.name2fixturedefs.get(n) for n in info.names_closure)):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-    # The slow tests first (stable within each tier): run in parallel (-n), their long waits
-    # start at once and the short tests fill the gaps at the end instead of trailing them.
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    # The slow tests first (stable within each tier), the longest waits of all first among
+    # them: in two lanes (-n 2) they start at once and the short tests fill the gaps at the
+    # end instead of trailing them.
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
+                                 Path(str(item.fspath)).name not in LONGEST))
 
 
 _fast_but_long: list[tuple[str, float]] = []

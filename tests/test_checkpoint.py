@@ -304,6 +304,8 @@ def test_schedule_and_checkpoint_defaults_resolve():
     ("kill:1", False), ("stall:0@3", False), ("slow:1:0.5", False), ("boom:1@2", False),
     ("kill:9@1", False), ("kill:0.5@1", False), ("kill:0@0", False),
     ("hang:1@4", True), ("hang:1@4:2.5", True), ("hang:1@4:2:3", False), ("kill:1@4:2", False),
+    ("pace:1:0.2", True), ("pace:1.0:0.05", True), ("pace:1:0", False), ("pace:1:inf", False),
+    ("pace:1@3:0.2", False), ("pace:2:0.2", False),
 ])
 def test_fault_specs(spec, ok):
     if ok:
@@ -311,3 +313,23 @@ def test_fault_specs(spec, ok):
     else:
         with pytest.raises(ConfigError, match="inject-fault"):
             parse_faults(spec, replicas=2, stages=2)
+
+
+def test_pace_holds_a_step_to_its_shortest_time_and_slow_stretches_it(monkeypatch):
+    from noloco.faults import FaultInjector
+
+    slept: list[float] = []
+    monkeypatch.setattr("noloco.faults.time.sleep", slept.append)
+    faults = parse_faults("pace:0:0.2,slow:1:3,pace:1:0.5", replicas=2, stages=1)
+    paced = FaultInjector(faults, replica=0, stage=0, rank=0, once=True)
+    for took in (0.05, 0.15, 0.3):  # a loaded machine's longer step sleeps less
+        paced.pace(took)
+    assert slept == pytest.approx([0.15, 0.05])  # 0.3 s is past the pace: no sleep
+    slept.clear()
+    both = FaultInjector(faults, replica=1, stage=0, rank=1, once=True)
+    both.pace(0.1)  # stretched 3x to 0.3 s, then to the pace's 0.5 s
+    both.pace(0.2)  # stretched to 0.6 s: past the pace
+    assert slept == pytest.approx([0.4, 0.4])
+    slept.clear()
+    FaultInjector(faults, replica=0, stage=0, rank=0, once=False).pace(0.05)
+    assert slept == pytest.approx([0.15])  # a pace holds after a restart too

@@ -69,12 +69,11 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, c
                            stderr=subprocess.PIPE, text=True, env=ENV)
     coord = coordinator(port)
     out = tmp_path / "run"
-    # Steps of a real model take seconds, not this one's 50 ms: slowed down (it changes no
-    # number, and sleeping costs no CPU), the outage of about 7 s is some 15-25 steps of 120,
-    # not half the run.
-    slow = 10
+    # Steps of a real model take seconds, not this one's 50 ms: paced to 0.4 s (it changes
+    # no number, sleeping costs no CPU, and a loaded machine steps as fast as an idle one),
+    # the outage of about 7 s is some 15-20 steps of 120, not half the run.
     proc = train(out, corpus, port, "--method", method, "--steps", str(STEPS),
-                 "--inject-fault", ",".join(f"slow:{r}:{slow}" for r in range(4)))
+                 "--inject-fault", ",".join(f"pace:{r}:0.4" for r in range(4)))
     try:
         wait_for(lambda: evaluated(out, 2, 40), 200, "replica 2 at step 40")
         coord.send_signal(signal.SIGKILL)

@@ -353,10 +353,10 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
     timeout = 3.0
     steps = 320
     out = tmp_path / "run"
-    # Every replica's steps stretched 4 x (sleeping costs no CPU): the others train some
-    # 50-150 steps during the hang (a loaded machine to an idle one) and on for over 100
-    # after it, at half the CPU of the 600 full-speed steps this took before.
-    slow = ",".join(f"slow:{r}:4" for r in range(4))
+    # Every replica's steps paced to 0.1 s (sleeping costs no CPU, and a loaded machine
+    # steps as fast as an idle one): the others train some 120 steps during the hang and on
+    # for over 100 after it, at half the CPU of the 600 full-speed steps this took before.
+    slow = ",".join(f"pace:{r}:0.1" for r in range(4))
     r = subprocess.run(
         [sys.executable, "-m", "noloco", "train", "--data", str(corpus), *SMALL,
          "--method", "noloco", "--replicas", "4", "--steps", str(steps), "--sync-every", "10",

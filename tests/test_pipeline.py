@@ -9,17 +9,12 @@ full worker run of NoLoCo on 2 replicas × 2 stages through :func:`noloco.worker
 from __future__ import annotations
 
 import json
-import os
-import socket
-import tempfile
 from collections import Counter
-from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_utils import run_ranks
 
 from noloco.cli import main
 from noloco.config import Config, ConfigError
@@ -39,30 +34,6 @@ B, T = 8, 32
 
 
 # ---- helpers ---------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world: int, port: int, fn, args: tuple, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        torch.save(fn(rank, world, *args), Path(outdir) / f"{rank}.pt")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run_ranks(fn, world: int, *args) -> list:
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(world, _free_port(), fn, args, outdir), nprocs=world, join=True)
-        return [torch.load(Path(outdir) / f"{r}.pt", weights_only=False) for r in range(world)]
-
 
 def _batches(steps: int, replica: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1000 + replica)
@@ -237,7 +208,7 @@ def _one_replica_two_stages(rank: int, world: int, steps: int) -> dict:
 @pytest.mark.timeout(240)
 def test_two_stages_equal_one_stage_and_random_routing_with_one_replica_equals_fixed():
     steps = 4
-    res = _run_ranks(_one_replica_two_stages, 2, steps)
+    res = run_ranks(_one_replica_two_stages, 2, steps)
 
     from noloco.train import LocalRunner
     model = build(ARGS, seed=0)
@@ -297,7 +268,7 @@ def _two_by_two_random(rank: int, world: int, step: int, microbatches: int) -> d
 @pytest.mark.timeout(240)
 def test_random_routing_carries_labels_and_retraces_gradients_on_two_replicas():
     step, microbatches = 3, 4
-    res = _run_ranks(_two_by_two_random, 4, step, microbatches)
+    res = run_ranks(_two_by_two_random, 4, step, microbatches)
     router = Router("random", 2, seed=0)
     model = build(ARGS, seed=0)
     names = [n for n, _ in model.named_parameters()]
@@ -358,7 +329,7 @@ def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_pa
     cfg = config_from_args(build_parser().parse_args(["train", *argv])).resolved()
     RunDir(tmp_path / "run").prepare(cfg, overwrite=False)
     monkeypatch.setenv("NOLOCO_RUNDIR_READY", "1")
-    _run_ranks(_worker, 4, cfg.to_dict())
+    run_ranks(_worker, 4, cfg.to_dict())
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
@@ -460,7 +431,7 @@ def _spread_rank(rank: int, world: int) -> dict:
 @pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_weight_spread_with_stages_is_reduced_not_gathered():
-    res = _run_ranks(_spread_rank, 4)
+    res = run_ranks(_spread_rank, 4)
     # Expected: each stage's parameters against that stage's mean over the 2 replicas.
     sq, n = 0.0, 0
     for stage in (0, 1):

@@ -97,15 +97,21 @@ def test_status_and_dashboard_of_a_live_run(tmp_path, corpus):
     proc.wait()
 
 
-def test_status_says_what_is_wrong_in_one_line(tmp_path):
-    r = cli("status", str(tmp_path))
-    assert r.returncode == 2 and "no elastic run directory" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
-    r = cli("status", "nowhere")
-    assert r.returncode == 2 and "neither a run directory, HOST:PORT" in r.stderr
-    r = cli("status", f"127.0.0.1:{free_port()}")
-    assert r.returncode == 1 and "nothing answers" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+def test_status_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    from noloco.cli import main
+
+    def status(where: str) -> tuple[int, str]:  # in this process
+        code = main(["status", where])
+        return code, capsys.readouterr().err
+
+    code, err = status(str(tmp_path))
+    assert code == 2 and "no elastic run directory" in err
+    assert len(err.strip().splitlines()) == 1
+    code, err = status("nowhere")
+    assert code == 2 and "neither a run directory, HOST:PORT" in err
+    code, err = status(f"127.0.0.1:{free_port()}")
+    assert code == 1 and "nothing answers" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.timeout(200)

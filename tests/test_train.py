@@ -87,3 +87,20 @@ def test_validation_set_is_the_same_for_every_batch_size(tmp_path, corpus):
         assert first["step"] == 0
         losses.append(first["val_loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_default_threads_divide_the_cores_and_honour_omp_num_threads(monkeypatch):
+    """A run's workers share the machine's cores; OMP_NUM_THREADS, where set (the user's, a
+    scheduler's, or a test lane's: two lanes share two cores), caps each one — two threads of
+    one process spinning in OpenMP's barriers beside other busy processes cost ~10x."""
+    from noloco import data as data_mod
+    from noloco.distributed import default_threads
+
+    monkeypatch.setattr(data_mod, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [default_threads(w) for w in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert [default_threads(w) for w in (1, 2, 8)] == [2, 2, 1]
+    for junk in ("", "0", "auto", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", junk)
+        assert default_threads(1) == 8

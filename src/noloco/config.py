@@ -191,7 +191,7 @@ class TrainConfig:
         "runs/<its run id>)")
     threads: int | None = opt(
         None, "torch CPU threads per worker (default: this machine's cores divided by its "
-        "workers, at least 1)")
+        "workers, at least 1, and at most OMP_NUM_THREADS where that is set)")
     overwrite: bool = opt(False, "replace an existing run directory")
     checkpoint_every: int | None = opt(
         None, "save a checkpoint every K inner steps, and at the end (default: every outer step "
@@ -231,8 +231,9 @@ class TrainConfig:
         "training loop stops, the heartbeat goes on), crash:REPLICA@STEP (an error), "
         "corrupt:REPLICA@STEP:nan or corrupt:REPLICA@STEP:scale:F (its weights turn NaN or "
         "are multiplied by F), tamper:REPLICA@STEP (what it sends is altered on the wire), "
-        "slow:REPLICA:FACTOR; REPLICA may be REPLICA.STAGE; all but "
-        "slow fire once, in the first attempt", group=FAULTS)
+        "slow:REPLICA:FACTOR (its steps take FACTOR x as long), pace:REPLICA:SECONDS (its "
+        "steps take at least SECONDS); REPLICA may be REPLICA.STAGE; all but slow and pace "
+        "fire once, in the first attempt", group=FAULTS)
     device: str = opt("auto", "cpu, cuda or auto", choices=DEVICES)
     compile: bool = opt(
         False, "torch.compile the model (each pipeline stage): faster steps after a first one "

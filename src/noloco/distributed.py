@@ -60,10 +60,18 @@ class Layout:
         return f"rank {rank} (replica {rank // self.stages}, stage {rank % self.stages})"
 
 
+def default_threads(local_world: int) -> int:
+    """Cores ÷ local workers (at least 1): N workers on a few cores must not oversubscribe —
+    and no more than ``OMP_NUM_THREADS`` where the environment sets it, a cap chosen by the
+    user, a scheduler, or something running beside this process on the same cores."""
+    n = max(1, data_mod.cpu_count() // max(local_world, 1))
+    cap = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(n, int(cap)) if cap.isdigit() and int(cap) > 0 else n
+
+
 def limit_threads(local_world: int, threads: int | None = None) -> int:
-    """``threads``, else cores ÷ local workers (at least 1): N workers on a few cores must not
-    oversubscribe."""
-    n = threads or max(1, data_mod.cpu_count() // max(local_world, 1))
+    """``threads``, else :func:`default_threads`."""
+    n = threads or default_threads(local_world)
     torch.set_num_threads(n)
     try:
         torch.set_num_interop_threads(1)

@@ -10,6 +10,10 @@ names a worker by its replica (and optionally its stage) and an inner step:
   SIGCONT after SECONDS.
 - ``slow:R:FACTOR`` — every inner step of replica R takes FACTOR times as long (it sleeps the
   difference): a straggler.
+- ``pace:R:SECONDS`` — every inner step of replica R takes at least SECONDS (it sleeps the
+  rest): a machine of a known speed whatever else runs beside it. A run that must outlast
+  something timed (a cut link, a restart) lasts as long on a loaded machine as on an idle
+  one, where ``slow`` would stretch the load's delays too.
 - ``crash:R@S`` — after inner step S the worker raises an error, as a bug would.
 - ``hang:R@S[:SECONDS]`` — after inner step S the training loop stops for SECONDS (default
   60) while the process — its heartbeat thread included — runs on: a replica stuck in a
@@ -24,7 +28,8 @@ names a worker by its replica (and optionally its stage) and an inner step:
   drop it (:mod:`noloco.integrity`); without one it goes through. (gloo's own unquantised
   all-reduce is not altered: noloco never holds its messages.)
 
-``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow) or ``REPLICA.STAGE``.
+``R`` is ``REPLICA`` (stage 0 for kill and stall, every stage for slow and pace) or
+``REPLICA.STAGE``.
 kill, stall, hang, crash, corrupt and tamper fire once per run: in the first attempt of a fresh
 run, never again after a restart or a resume (which would otherwise replay them forever).
 """
@@ -44,7 +49,7 @@ import torch
 
 from noloco.errors import ConfigError
 
-KINDS = ("kill", "stall", "hang", "slow", "crash", "corrupt", "tamper")
+KINDS = ("kill", "stall", "hang", "slow", "pace", "crash", "corrupt", "tamper")
 HANG_SECONDS = 60.0
 """how long ``hang:R@S`` stops the training loop when it names no time"""
 
@@ -54,9 +59,10 @@ class Fault:
     kind: str
     replica: int
     stage: int | None
-    """None: every stage (slow) — kill and stall default to stage 0"""
+    """None: every stage (slow, pace) — kill and stall default to stage 0"""
     step: int = 0
     seconds: float = 0.0
+    """stall, hang: how long; pace: the shortest inner step"""
     factor: float = 1.0
     """slow: the step's stretch; corrupt: what the weights are multiplied by (NaN: nan)"""
 
@@ -75,6 +81,12 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                 replica, stage = _who(who, default_stage=None)
                 fault = Fault("slow", replica, stage, factor=float(factor))
                 if not fault.factor >= 1.0:
+                    raise ValueError
+            elif kind == "pace":
+                who, seconds = rest.split(":")
+                replica, stage = _who(who, default_stage=None)
+                fault = Fault("pace", replica, stage, seconds=float(seconds))
+                if not 0 < fault.seconds < math.inf:
                     raise ValueError
             elif kind == "corrupt":
                 who, _, when = rest.partition("@")
@@ -107,8 +119,8 @@ def parse_faults(spec: str, replicas: int, stages: int) -> list[Fault]:
                               f"stall:REPLICA@STEP:SECONDS, hang:REPLICA@STEP[:SECONDS], "
                               f"crash:REPLICA@STEP, tamper:REPLICA@STEP, "
                               f"corrupt:REPLICA@STEP:nan, "
-                              f"corrupt:REPLICA@STEP:scale:FACTOR or "
-                              f"slow:REPLICA:FACTOR>=1)") from None
+                              f"corrupt:REPLICA@STEP:scale:FACTOR, "
+                              f"slow:REPLICA:FACTOR>=1 or pace:REPLICA:SECONDS>0)") from None
         if not 0 <= fault.replica < replicas or (
                 fault.stage is not None and not 0 <= fault.stage < stages):
             raise ConfigError(f"--inject-fault {item!r} names a worker outside {replicas} "
@@ -137,13 +149,17 @@ class FaultInjector:
         mine = [f for f in faults if f.hits(replica, stage)]
         self.rank, self.replica, self.stage = rank, replica, stage
         self.publish = publish
-        self.pending = {f.step: f for f in mine if f.kind != "slow" and once}
+        self.pending = {f.step: f for f in mine if f.kind not in ("slow", "pace") and once}
         self.slow = max((f.factor for f in mine if f.kind == "slow"), default=1.0)
+        self.shortest = max((f.seconds for f in mine if f.kind == "pace"), default=0.0)
+        """pace: the least seconds an inner step takes"""
 
     def pace(self, step_seconds: float) -> None:
-        """Stretch an inner step that took ``step_seconds`` by the slow factor."""
-        if self.slow > 1.0:
-            time.sleep((self.slow - 1.0) * step_seconds)
+        """Stretch an inner step that took ``step_seconds`` by the slow factor, then to the
+        pace's shortest step."""
+        extra = max(self.slow * step_seconds, self.shortest) - step_seconds
+        if extra > 0:
+            time.sleep(extra)
 
     def after_step(self, step: int, params: list[torch.Tensor] | None = None,
                    comm: Any = None) -> None:

@@ -45,7 +45,7 @@ from typing import Any
 
 from noloco import checkpoint as ckpt_mod
 from noloco.config import Config
-from noloco.data import cpu_count
+from noloco.distributed import default_threads
 from noloco.rundir import RunDir
 from noloco.warm import Starter, WarmProcess
 from noloco.watchdog import heartbeat_key
@@ -179,12 +179,12 @@ class Supervisor:
     def prestart(self) -> None:
         """Start the warm parent now (it imports torch while this process prepares the run);
         :meth:`run` closes it."""
-        threads = str(max(1, cpu_count() // self.world))
+        threads = str(default_threads(self.world))
         self.starter.prestart(dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                                    NOLOCO_RUN=str(self.out.resolve())))
 
     def _env(self, attempt: int) -> dict[str, str]:
-        threads = str(max(1, cpu_count() // self.world))
+        threads = str(default_threads(self.world))
         resume = self.resume or attempt > 0
         env = dict(os.environ)
         env.update(
