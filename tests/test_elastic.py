@@ -266,7 +266,6 @@ ROLE = """
 import json, os, sys, time, torch
 from datetime import timedelta
 import torch.distributed as dist
-from noloco.cli import main
 from noloco.elastic import ElasticCommunicator, Membership
 port, r, n, plan = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
 op = sys.argv[5]

@@ -104,3 +104,61 @@ def test_default_threads_divide_the_cores_and_honour_omp_num_threads(monkeypatch
     for junk in ("", "0", "auto", "-1"):
         monkeypatch.setenv("OMP_NUM_THREADS", junk)
         assert default_threads(1) == 8
+    # torchrun sets OMP_NUM_THREADS=1 for every worker of a multi-worker node on its own
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    assert default_threads(2) == 4
+
+
+class _Store:
+    """The part of a c10d store the stop agreement uses, in memory."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def check(self, keys):
+        return all(k in self.kv for k in keys)
+
+    def get(self, key):
+        return self.kv[key]
+
+    def compare_set(self, key, expected, desired):
+        cur = self.kv.get(key, b"").decode()
+        if cur == expected:
+            self.kv[key] = desired.encode()
+        return self.kv[key] if key in self.kv else b""
+
+
+def _worker(store, rank: int, step: int):
+    from types import SimpleNamespace
+
+    from noloco.distributed import Layout
+    from noloco.train import Trainer
+
+    me = SimpleNamespace(state=SimpleNamespace(step=step), lay=Layout(world=2, replicas=2),
+                         ctx=SimpleNamespace(store=store, attempt=0))
+    me.lay = SimpleNamespace(world=2, rank=rank)
+    return lambda **kw: Trainer.agree_stop_step(me, **kw)
+
+
+def test_stop_agreement_the_largest_step_or_abandoned_for_everyone(monkeypatch):
+    """Two workers stop at the larger step they posted; a worker that gives up waiting
+    (its partner never got the signal) fixes the stop as abandoned, and a partner that posts
+    afterwards stops at once too instead of checkpointing alone."""
+    import noloco.train as train_mod
+
+    monkeypatch.setattr(train_mod, "STOP_PAUSE_SECONDS", 0.0)
+    store = _Store()
+    a, b = _worker(store, 0, 7), _worker(store, 1, 9)
+    assert a() is None  # rank 1 has not posted: rank 0 posts 8 and takes one more step
+    assert b() == 9  # its post completes the set: the largest
+    assert a() == 9
+    store = _Store()
+    a, b = _worker(store, 0, 7), _worker(store, 1, 9)
+    assert a() is None
+    assert a(abandon=True) == train_mod.ABANDONED
+    assert b() == train_mod.ABANDONED
+    store = _Store()
+    a, b = _worker(store, 0, 7), _worker(store, 1, 9)
+    a(), b()
+    assert a(abandon=True) == 9  # fixed already: giving up comes too late to change it

@@ -63,10 +63,13 @@ class Layout:
 def default_threads(local_world: int) -> int:
     """Cores ÷ local workers (at least 1): N workers on a few cores must not oversubscribe —
     and no more than ``OMP_NUM_THREADS`` where the environment sets it, a cap chosen by the
-    user, a scheduler, or something running beside this process on the same cores."""
+    user, a scheduler, or something running beside this process on the same cores. Not under
+    torchrun, which sets it to 1 itself for every worker of a multi-worker node."""
     n = max(1, data_mod.cpu_count() // max(local_world, 1))
     cap = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return min(n, int(cap)) if cap.isdigit() and int(cap) > 0 else n
+    if "TORCHELASTIC_RUN_ID" in os.environ or not (cap.isdigit() and int(cap) > 0):
+        return n
+    return min(n, int(cap))
 
 
 def limit_threads(local_world: int, threads: int | None = None) -> int:

@@ -48,7 +48,12 @@ STOP_PAUSE_SECONDS = 0.2
 takes one more step (one may be in a collective that needs this worker to go on)"""
 STOP_AGREE_SECONDS = 10.0
 """how long the workers may take to agree on the step they stop at after a signal (they all
-got it within a step); past it, they stop at once without a checkpoint"""
+got it within a step: 3 steps where a step is longer); past it, they stop at once without a
+checkpoint"""
+STOP_AGREE_MAX_SECONDS = 20.0
+"""and never longer: torchrun kills a worker 30 s after it asked it to stop"""
+ABANDONED = -1
+"""the stop step of workers that could not agree on one: stop at once"""
 
 AVERAGED_METHODS = ("diloco", "noloco", "streaming", "sparseloco")
 """methods whose replicas end with different weights: their mean is saved as a model too"""
@@ -447,19 +452,23 @@ class Trainer:
                 self.rundir.write_summary(running)
             if self.status.stop_signal is not None and st.step < t.steps:
                 self.stop_step = self.stop_step or self.agree_stop_step()
+                if self.stop_step is None and time.monotonic() - self.status.signalled_at \
+                        > min(max(STOP_AGREE_SECONDS, 3 * (c1 - s0)), STOP_AGREE_MAX_SECONDS):
+                    # Not every worker got the signal (one died, and torchrun stops the
+                    # rest to restart them): no common step to save. Said in the key, so a
+                    # worker that posts later stops at once too instead of saving alone.
+                    self.stop_step = self.agree_stop_step(abandon=True)
+                if self.stop_step == ABANDONED:
+                    raise Interrupted(self.status.stop_signal)
                 if self.stop_step is not None and st.step >= self.stop_step:
                     self.stop_here()
-                if self.stop_step is None and time.monotonic() - self.status.signalled_at \
-                        > max(STOP_AGREE_SECONDS, 3 * (c1 - s0)):
-                    # Not every worker got the signal (one died, and torchrun stops the
-                    # rest to restart them): no common step to save, stop now.
-                    raise Interrupted(self.status.stop_signal)
         self.status.graceful = False
         return self.end(log)
 
-    def agree_stop_step(self) -> int | None:
+    def agree_stop_step(self, abandon: bool = False) -> int | None:
         """The step every worker stops at after a SIGINT/SIGTERM, or None while not all of
-        them have said how far they are (call again at the next step boundary).
+        them have said how far they are (call again at the next step boundary). ``abandon``:
+        fix it as :data:`ABANDONED` (stop at once, no checkpoint) unless it is fixed already.
 
         Every worker posts the step it is at into one store key (a compare-and-set, so the
         posts and the decision are in one order). The post that completes the set fixes the
@@ -479,15 +488,20 @@ class Trainer:
                 posts = json.loads(raw) if raw else {}
                 if "stop_at" in posts:
                     return int(posts["stop_at"])
-                if at is None:
+                if abandon:
+                    posts["stop_at"] = ABANDONED
+                elif at is None:
                     return None
-                posts[str(self.lay.rank)] = at
-                if len(posts) == self.lay.world:
+                else:
+                    posts[str(self.lay.rank)] = at
+                if not abandon and len(posts) == self.lay.world:
                     posts["stop_at"] = max(posts.values())
                 new = json.dumps(posts).encode()
                 if store.compare_set(key, raw.decode(), new.decode()) == new:
                     return posts.get("stop_at")
 
+        if abandon:
+            return post(None)
         found = post(step)
         deadline = time.monotonic() + STOP_PAUSE_SECONDS
         while found is None and time.monotonic() < deadline:
@@ -504,6 +518,17 @@ class Trainer:
             if not self.ckpt.due(st.step):  # else this step's own checkpoint is being written
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.wait()
+            store = self.ctx.store
+            if self.lay.world > 1 and store is not None:
+                # Rank 0 speaks for the run (under torchrun): its line advises the resume only
+                # once every worker's checkpoint of this step is complete, not while one is
+                # still being written or trained up to.
+                key = f"noloco/stop/{self.ctx.attempt}/saved"
+                store.add(key, 1)
+                deadline = time.monotonic() + STOP_AGREE_MAX_SECONDS
+                while (self.lay.rank == 0 and int(store.add(key, 0)) < self.lay.world
+                       and time.monotonic() < deadline):
+                    time.sleep(0.05)
         raise Interrupted(self.status.stop_signal or 2)
 
     def end(self, log: Progress) -> dict[str, Any] | None:

@@ -173,9 +173,11 @@ class Membership:
             self._thread.start()
         return self
 
-    def beat(self, done: bool = False) -> int | None:
+    def beat(self, done: bool = False, confirm: bool = True) -> int | None:
         """Write this worker's heartbeat and see it arrive; returns the join requests made to
-        this replica so far (None when fenced: a newer incarnation owns the replica)."""
+        this replica so far (None when fenced: a newer incarnation owns the replica).
+        ``confirm=False``: write it and go on (a nudge from the training thread, which must
+        not wait a round trip); the beat loop's next beat confirms."""
         with self._beat_lock:
             if self.owner is not None:  # fenced: the newer owner's heartbeat is the replica's
                 return None
@@ -194,6 +196,8 @@ class Membership:
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
                  "commits": self.commits, **self.info,
                  **({"done": True} if done else {})}))
+            if not confirm:
+                return None
             # A set gets no answer (the client writes it into its socket and goes on): over a
             # link that is down it "succeeds" until the socket's buffer fills. The beat went
             # through only once the store answers a request sent after it (answers come in
@@ -218,7 +222,7 @@ class Membership:
         """Beat now, from the training thread, to publish a changed flag at once; a failure is
         the beat thread's to retry."""
         with contextlib.suppress(Exception):
-            self.beat()
+            self.beat(confirm=False)
 
     def cut_off(self) -> bool:
         """No beat went through for ``peer_timeout``: the monitor has judged this worker dead,
