@@ -2,9 +2,11 @@
 costs, and an elastic respawn's.
 
 Each configuration is one ``noloco train`` in a fresh process, run with ``NOLOCO_WARM_START``
-1 (the default: the launcher forks its workers from one parent that imported torch once,
-``noloco.warm``) and 0 (every worker a fresh ``python -m noloco.worker``), the two modes
-interleaved round after round, so both see the same machine. Recorded per run:
+1 (*warm*, the default: the launcher forks its workers from one parent that imported torch
+once, ``noloco.warm``, and forks that parent from itself), ``program`` (*program*: the same,
+with the warm parent started as a program of its own, as a library caller's launcher starts
+it) and 0 (*fresh*: every worker a fresh ``python -m noloco.worker``), the modes interleaved
+round after round, so all see the same machine. Recorded per run:
 
 - ``wall_seconds``: the command, start to exit (``--steps 1``: nearly all of it is start-up);
 - ``cpu_seconds``: user + system CPU of the command and every process under it (the kernel's
@@ -36,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-MODES = {"warm": "1", "fresh": "0"}
+MODES = {"warm": "1", "program": "program", "fresh": "0"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,13 +118,13 @@ def measure(a: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             for mode in order:
                 r = start_run(n, mode, scratch / f"run-{mode}-{n}", cache)
                 runs[mode][str(n)].append(r)
-                print(f"round {k + 1}: {n} replicas, {mode:>5}: wall {r['wall_seconds']:6.2f} s"
+                print(f"round {k + 1}: {n} replicas, {mode:>7}: wall {r['wall_seconds']:6.2f} s"
                       f" | CPU {r['cpu_seconds']:6.2f} s | first step "
                       f"{r['first_step_seconds_max'] or 0:5.2f} s", flush=True)
         for mode in order if not a.no_respawn else []:
             r = respawn_run(mode, scratch / f"respawn-{mode}", cache)
             respawns[mode].append(r)
-            print(f"round {k + 1}: elastic respawn, {mode:>5}: wall {r['wall_seconds']:6.2f} s |"
+            print(f"round {k + 1}: elastic respawn, {mode:>7}: wall {r['wall_seconds']:6.2f} s |"
                   f" CPU {r['cpu_seconds']:6.2f} s | respawn to joined "
                   f"{r['respawn_seconds'] or 0:5.2f} s", flush=True)
     return {"runs": runs, "respawns": respawns}
@@ -133,24 +135,25 @@ def median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
 
 
+def medians(runs: dict[str, list[dict[str, Any]]], key: str) -> dict[str, Any]:
+    """The median of ``key`` per mode; ``ratio``: warm ÷ fresh, ``ratio_program``: warm ÷
+    program (below 1: the warm start is cheaper)."""
+    m = {mode: median([r[key] for r in runs[mode] if r[key] is not None] or [0.0])
+         for mode in MODES}
+    return {**m, "ratio": m["warm"] / m["fresh"] if m["fresh"] else None,
+            "ratio_program": m["warm"] / m["program"] if m["program"] else None}
+
+
 def judge(res: dict[str, Any]) -> dict[str, Any]:
-    """Medians per mode and warm ÷ fresh ratios (below 1: the warm start is cheaper)."""
-    out: dict[str, Any] = {}
-    for n, warm_runs in res["runs"]["warm"].items():
-        fresh_runs = res["runs"]["fresh"][n]
-        row = {}
-        for key in ("wall_seconds", "cpu_seconds", "first_step_seconds_max"):
-            w = median([r[key] for r in warm_runs if r[key] is not None] or [0.0])
-            f = median([r[key] for r in fresh_runs if r[key] is not None] or [0.0])
-            row[key] = {"warm": w, "fresh": f, "ratio": w / f if f else None}
-        out[n] = row
-    resp: dict[str, Any] = {}
-    for key in ("wall_seconds", "cpu_seconds", "respawn_seconds") if res["respawns"]["warm"] \
-            else ():
-        w = median([r[key] for r in res["respawns"]["warm"] if r[key] is not None] or [0.0])
-        f = median([r[key] for r in res["respawns"]["fresh"] if r[key] is not None] or [0.0])
-        resp[key] = {"warm": w, "fresh": f, "ratio": w / f if f else None}
-    out["elastic_respawn"] = resp
+    """Medians per mode and their ratios, per replica count and for the respawn."""
+    out: dict[str, Any] = {
+        n: {key: medians({mode: res["runs"][mode][n] for mode in MODES}, key)
+            for key in ("wall_seconds", "cpu_seconds", "first_step_seconds_max")}
+        for n in res["runs"]["warm"]}
+    out["elastic_respawn"] = {
+        key: medians(res["respawns"], key)
+        for key in (("wall_seconds", "cpu_seconds", "respawn_seconds")
+                    if res["respawns"]["warm"] else ())}
     return out
 
 
@@ -168,14 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     for n in a.replica_counts:
         j = judged[str(n)]
         print(f"{n} replicas: warm/fresh wall {j['wall_seconds']['ratio']:.2f}x, CPU "
-              f"{j['cpu_seconds']['ratio']:.2f}x")
+              f"{j['cpu_seconds']['ratio']:.2f}x; warm/program wall "
+              f"{j['wall_seconds']['ratio_program']:.2f}x, CPU "
+              f"{j['cpu_seconds']['ratio_program']:.2f}x")
     plt = common.pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
         xs = a.replica_counts
         for ax, key, label in ((axes[0], "wall_seconds", "wall seconds"),
                                (axes[1], "cpu_seconds", "CPU seconds")):
-            for mode, style in (("fresh", "o--"), ("warm", "o-")):
+            for mode, style in (("fresh", "o--"), ("program", "s:"), ("warm", "o-")):
                 ax.plot(xs, [judged[str(n)][key][mode] for n in xs], style, label=mode)
             ax.set_xlabel("local replicas (noloco train --steps 1)")
             ax.set_ylabel(label)

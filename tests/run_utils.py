@@ -66,18 +66,36 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert {k: sa[k] for k in SAME} == {k: sb[k] for k in SAME}
 
 
+def of_run(pid: int | str, run: Path) -> bool:
+    """Whether process ``pid`` belongs to ``run``: it (or, forked from it, the process it was
+    forked from) started with NOLOCO_RUN=run in its environment — a worker, a warm parent
+    started as a program — or it is, or was forked from, ``noloco train`` with ``--out RUN``
+    or ``--resume RUN`` on its command line — a launcher, the warm parent it forked, and the
+    workers that one forked (/proc shows a forked process the environment and command line of
+    the program that was started)."""
+    run = Path(run).resolve()
+    d = Path("/proc") / str(pid)
+    try:
+        if f"NOLOCO_RUN={run}".encode() in (d / "environ").read_bytes().split(b"\0"):
+            return True
+        args = [a.decode() for a in (d / "cmdline").read_bytes().split(b"\0")]
+        cwd = Path(os.readlink(d / "cwd"))
+    except OSError:
+        return False
+    if "train" not in args:
+        return False
+    for i, a in enumerate(args):
+        for flag in ("--out", "--resume"):
+            if a == flag and i + 1 < len(args):
+                a = f"{flag}={args[i + 1]}"
+            if a.startswith(flag + "=") and (cwd / a[len(flag) + 1:]).resolve() == run:
+                return True
+    return False
+
+
 def worker_pids(run: Path) -> dict[tuple[int, int], int]:
     """(replica, stage) → pid of the local launcher's workers of ``run``: the processes named
-    ``noloco rRsS`` (noloco.warm) that started with NOLOCO_RUN=run in their environment —
-    theirs, or, forked from a warm parent, the warm parent's."""
-    want = f"NOLOCO_RUN={Path(run).resolve()}".encode()
-
-    def env_of(pid: str) -> list[bytes]:
-        try:
-            return (Path("/proc") / pid / "environ").read_bytes().split(b"\0")
-        except OSError:
-            return []
-
+    ``noloco rRsS`` (noloco.worker.process_name) that belong to it (:func:`of_run`)."""
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -88,7 +106,7 @@ def worker_pids(run: Path) -> dict[tuple[int, int], int]:
         except (OSError, IndexError):
             continue
         m = re.fullmatch(r"noloco r(\d+)s(\d+)", name)
-        if m and (want in env_of(d.name) or want in env_of(ppid)):
+        if m and (of_run(d.name, run) or of_run(ppid, run)):
             out[(int(m[1]), int(m[2]))] = int(d.name)
     return out
 

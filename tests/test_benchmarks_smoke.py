@@ -207,11 +207,12 @@ def test_warm_start_quick_writes_a_record(tmp_path: Path) -> None:
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "warm_start_quick.json").read_text())["results"]
-    for mode in ("warm", "fresh"):
+    for mode in ("warm", "program", "fresh"):
         (run,) = res["runs"][mode]["2"]
         assert run["wall_seconds"] > 0 and run["cpu_seconds"] > 0
         assert run["first_step_seconds_max"] > 0
     assert res["judged"]["2"]["cpu_seconds"]["ratio"] > 0
+    assert res["judged"]["2"]["cpu_seconds"]["ratio_program"] > 0
     bad = subprocess.run([sys.executable, str(BENCH / "warm_start.py"), "--replicas", "1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "must be >= 2" in bad.stderr

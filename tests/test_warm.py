@@ -5,12 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from run_utils import SMALL, alive, assert_same_run, train, wait_for, worker_pids
+from run_utils import (
+    SMALL,
+    alive,
+    assert_same_run,
+    cli,
+    of_run,
+    summary,
+    train,
+    wait_for,
+    worker_pids,
+)
 
 from noloco import warm
 from noloco.worker import process_name
@@ -19,16 +30,9 @@ pytestmark = pytest.mark.slow("worker processes")
 
 
 def run_processes(run: Path) -> list[int]:
-    """Every process that started with NOLOCO_RUN=run (workers, their warm parent)."""
-    want = f"NOLOCO_RUN={run.resolve()}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and want in (d / "environ").read_bytes().split(b"\0"):
-                out.append(int(d.name))
-        except OSError:
-            continue
-    return out
+    """Every process of ``run`` (workers, their warm parent; a launcher of the command line)."""
+    return [int(d.name) for d in Path("/proc").iterdir()
+            if d.name.isdigit() and of_run(d.name, run)]
 
 
 @pytest.mark.timeout(180)
@@ -43,6 +47,14 @@ def test_forked_workers_train_bit_for_bit_as_fresh_processes(tmp_path, corpus, m
     assert train(tmp_path / "forked", corpus, *args) == 0
     assert_same_run(tmp_path / "fresh", tmp_path / "forked")
     assert run_processes(tmp_path / "forked") == []
+    # The command line forks the warm parent itself from the launcher (a library caller, as
+    # this test's process, starts it as a program).
+    r = cli("train", "--data", str(corpus), *SMALL, *args, "--out", str(tmp_path / "cli"))
+    assert r.returncode == 0, r.stderr
+    assert_same_run(tmp_path / "fresh", tmp_path / "cli")
+    assert [summary(tmp_path / d)["startup"]["workers_start"] for d in ("fresh", "forked", "cli")
+            ] == ["off", "started", "forked"]
+    assert run_processes(tmp_path / "cli") == []
 
 
 @pytest.mark.timeout(120)
@@ -131,3 +143,66 @@ def test_exit_now_keeps_what_a_normal_exit_does(tmp_path, code):
     assert (tmp_path / "open.txt").read_text() == "buffered"
     assert (tmp_path / "atexit.txt").read_text() == "ran"
     assert (tmp_path / "thread.txt").read_text() == "joined"
+
+
+FORKABLE = '''
+import os, socket, threading
+from noloco import warm
+def say(): print(int(warm._forkable()), end="")
+say()  # a library caller: never
+warm.allow_fork()
+say()
+f = open(os.devnull, "w"); say(); f.close(); say()
+s = socket.socket(); say(); s.close(); say()
+e = threading.Event(); t = threading.Thread(target=e.wait); t.start(); say()
+e.set(); t.join()
+import time  # the kernel lists a joined thread a moment longer
+deadline = time.monotonic() + 5
+while not warm._forkable() and time.monotonic() < deadline:
+    time.sleep(0.01)
+say()
+'''
+
+
+@pytest.mark.slow("a Python subprocess")
+@pytest.mark.timeout(60)
+def test_the_warm_parent_is_forked_only_from_a_process_that_holds_nothing_it_could_disturb():
+    r = subprocess.run([sys.executable, "-c", FORKABLE], capture_output=True, text=True,
+                       timeout=50)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "01010101"
+
+
+FORKED = '''
+import atexit, os, signal, sys
+from pathlib import Path
+import noloco.cli  # what the command line has imported when it forks: torch, numpy
+from noloco import warm
+log = Path(sys.argv[1])
+atexit.register(lambda: log.open("a").write(f"atexit {os.getpid()}\\n"))
+signal.signal(signal.SIGTERM, lambda *a: log.open("a").write(f"handler {os.getpid()}\\n"))
+warm.allow_fork()
+parent = warm.WarmParent(dict(os.environ))
+assert parent.how == "forked" and parent.ready()
+p = parent.start(["not json"], dict(os.environ))  # the worker fails at once
+assert p.wait(timeout=60) == 1
+q = parent.start(["not json"], dict(os.environ))
+os.kill(parent.proc.pid, signal.SIGTERM)  # the launcher's handler is not the warm parent's
+q.wait(timeout=60)
+parent.close()
+print(parent.proc.returncode, end="")
+'''
+
+
+@pytest.mark.slow("a Python subprocess that forks a warm parent")
+@pytest.mark.timeout(120)
+def test_a_forked_warm_parent_keeps_none_of_the_launchers_exit_and_signal_handlers(tmp_path):
+    """Its own atexit handlers, signal handlers and session: only the launcher's own exit
+    writes the log; a SIGTERM ends the warm parent as it would a started one."""
+    log = tmp_path / "log"
+    r = subprocess.run([sys.executable, "-c", FORKED, str(log)], capture_output=True,
+                       text=True, timeout=100, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == str(-signal.SIGTERM)
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("atexit "), lines

@@ -203,11 +203,11 @@ def train(ns: argparse.Namespace) -> int:
     finally:
         if sup is not None:
             sup.starter.close()
-    _add_launcher_startup(rundir, load)
+    _add_launcher_startup(rundir, load, sup.starter.how if sup is not None else None)
     return code
 
 
-def _add_launcher_startup(rundir: Any, load: Any) -> None:
+def _add_launcher_startup(rundir: Any, load: Any, workers: str | None) -> None:
     """The launcher's own tokenising (it builds the machine's token file before any worker
     starts) into the summary's start-up figures."""
     try:
@@ -219,6 +219,7 @@ def _add_launcher_startup(rundir: Any, load: Any) -> None:
         return
     st["launcher_tokenized"] = load.tokenized
     st["launcher_seconds"] = load.seconds
+    st["workers_start"] = workers  # warm.Starter.how; None: the one worker ran in the launcher
     st["tokenize_seconds"] += load.seconds if load.tokenized else 0.0
     rundir.update_summary(startup=st)
 

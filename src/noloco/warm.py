@@ -23,22 +23,39 @@ What makes a forked worker the same as a fresh one:
   the launcher (``PR_SET_PDEATHSIG``); the warm parent exits when the launcher closes it and
   its last child has ended.
 
-``NOLOCO_WARM_START=0`` turns it off (every worker a fresh ``python -m noloco.worker``), as
-does a platform without ``fork`` or ``prctl``, or a warm parent that fails to start or finds
-a second thread in itself: then the launcher starts fresh processes, as before.
+The command line (``python -m noloco``, the ``noloco`` command: :func:`allow_fork`) does not
+even start the warm parent as a new program: it forks it from itself, a process that has
+imported torch and noloco already, so the warm parent only adds what a worker needs beyond the
+launcher (torch's compiler front end, the workers' modules). It forks only while it holds
+nothing a child could disturb: one thread, no open file but its standard streams, no socket
+(:func:`_forkable`); the child closes every descriptor but its pipes, forgets the launcher's
+``atexit`` handlers and signal handlers and takes the environment a started warm parent would
+get. A library caller (an embedding program, a test process) starts it as a new program.
+
+``NOLOCO_WARM_START=program`` starts the warm parent as a program even from the command line
+(``benchmarks/warm_start.py`` compares the two). ``NOLOCO_WARM_START=0`` turns it off (every
+worker a fresh ``python -m noloco.worker``), as does a platform without ``fork`` or ``prctl``,
+or a warm parent that fails to start or finds a second thread in itself: then the launcher
+starts fresh processes, as before.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import io
 import json
+import mmap
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 from typing import Any, NoReturn
 
 READY_SECONDS = 120.0
@@ -46,9 +63,19 @@ READY_SECONDS = 120.0
 CLOSE_SECONDS = 10.0
 
 
+_fork_allowed = False
+
+
 def enabled() -> bool:
     return (os.environ.get("NOLOCO_WARM_START", "1") != "0" and hasattr(os, "fork")
             and sys.platform.startswith("linux"))
+
+
+def allow_fork() -> None:
+    """This process is noloco's own command line, whose state noloco knows: its launchers may
+    fork their warm parent from it instead of starting a new program."""
+    global _fork_allowed
+    _fork_allowed = True
 
 
 # ---- the launcher's side --------------------------------------------------------------------
@@ -91,16 +118,19 @@ class WarmParent:
     def __init__(self, env: dict[str, str]) -> None:
         req_r, self._req = os.pipe()
         self._resp, resp_w = os.pipe()
+        env = dict(env, OPENBLAS_NUM_THREADS="1")
         try:
             # Its own session: a Ctrl-C at the terminal reaches the launcher, which stops the
             # workers in order; the warm parent ends after them.
-            self.proc = subprocess.Popen(
+            forked = _fork_warm_parent(env, req_r, resp_w) if _forkable() else None
+            self.proc: _Forked | subprocess.Popen = forked or subprocess.Popen(
                 [sys.executable, "-m", "noloco.warm", str(req_r), str(resp_w), str(os.getpid())],
-                env=dict(env, OPENBLAS_NUM_THREADS="1"), pass_fds=(req_r, resp_w),
-                start_new_session=True)
+                env=env, pass_fds=(req_r, resp_w), start_new_session=True)
         finally:
             os.close(req_r)
             os.close(resp_w)
+        self.how = "forked" if forked is not None else "started"
+        """forked from this process, or started as a new program"""
         self.cond = threading.Condition()
         self._procs: dict[int, WarmProcess] = {}
         self._answers: dict[int, dict[str, Any]] = {}
@@ -191,6 +221,102 @@ class WarmParent:
         self._reader.join(timeout=CLOSE_SECONDS)
 
 
+class _Forked:
+    """A warm parent forked from this process: the part of :class:`subprocess.Popen` that
+    :class:`WarmParent` uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["noloco.warm"], timeout or 0.0)
+            time.sleep(0.01)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        if self.returncode is None:  # never a pid that may have been reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+_HOLDERS = (io.FileIO, socket.socket, mmap.mmap)
+"""what holds a descriptor that a forked child would close while the object lives on"""
+
+
+def _forkable() -> bool:
+    """Whether this process may fork the warm parent: it is noloco's command line
+    (:func:`allow_fork`), runs one thread (a fork copies another thread's locks, not the
+    thread) and holds no file but its standard streams and no socket or mapping (the child
+    closes their descriptors; the objects, copied, would later flush or close into whatever
+    took their numbers)."""
+    if not _fork_allowed or os.environ.get("NOLOCO_WARM_START") == "program" \
+            or _threads() != 1:
+        return False
+    for obj in gc.get_objects():  # by type(), as exiting.flush_open_files does
+        if issubclass(type(obj), _HOLDERS):
+            if isinstance(obj, io.FileIO) and (obj.closed or obj.fileno() in (0, 1, 2)):
+                continue
+            if isinstance(obj, socket.socket) and obj.fileno() == -1:
+                continue
+            if isinstance(obj, mmap.mmap) and obj.closed:
+                continue
+            return False
+    return True
+
+
+def _fork_warm_parent(env: dict[str, str], req: int, resp: int) -> _Forked | None:
+    """Fork this process into a warm parent (see the module's text); None if fork fails."""
+    for f in (sys.stdout, sys.stderr):  # else the child would write their buffers again
+        with contextlib.suppress(Exception):
+            f.flush()
+    launcher = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
+        return None
+    if pid:
+        return _Forked(pid)
+    # The child. It never returns into the launcher's frames: it ends in exit_now.
+    code = 1
+    try:
+        os.setsid()
+        atexit._clear()
+        for s in signal.valid_signals():
+            with contextlib.suppress(OSError, ValueError):
+                h = signal.getsignal(s)
+                if callable(h) and h is not signal.default_int_handler:
+                    signal.signal(s, signal.SIG_DFL)
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        keep = {0, 1, 2, req, resp}
+        for name in os.listdir("/proc/self/fd"):
+            if int(name) not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(int(name))
+        os.environ.clear()
+        os.environ.update(env)
+        sys.argv = [__file__, str(req), str(resp), str(launcher)]
+        code = serve(req, resp, launcher)
+    except BaseException:  # noqa: BLE001 - the launcher sees it as a warm parent that failed
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    from noloco.exiting import exit_now
+
+    exit_now(code)
+
+
 class Starter:
     """How a launcher starts its workers: forked from a warm parent where it can (started
     ahead by :meth:`prestart`, else with the first worker's environment), else as fresh
@@ -199,6 +325,9 @@ class Starter:
     def __init__(self) -> None:
         self.parent: WarmParent | None = None
         self._warm = enabled()
+        self.how = "off"
+        """the workers' start: "forked" (a warm parent forked from the launcher), "started" (a
+        warm parent started as a program), "off" (fresh processes)"""
 
     def prestart(self, env: dict[str, str]) -> None:
         """Start the warm parent now, with ``env`` (what it reads as it imports: the thread
@@ -206,6 +335,7 @@ class Starter:
         if self._warm and self.parent is None:
             try:
                 self.parent = WarmParent(env)
+                self.how = self.parent.how
             except OSError:
                 self._warm = False
 
@@ -217,7 +347,7 @@ class Starter:
             p = self.parent.start(args, env)
             if p is not None:
                 return p
-            self._warm = False
+            self._warm, self.how = False, "off"
         return subprocess.Popen([sys.executable, "-m", "noloco.worker", *args], env=env,
                                 start_new_session=True)
 
