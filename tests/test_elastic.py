@@ -140,7 +140,11 @@ def test_kill9_of_one_replica_the_others_finish(tmp_path, corpus):
 def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_path,
                                                                            corpus):
     out = tmp_path / "run"
-    proc = start(out, corpus, "--method", "noloco", "--steps", "100")
+    # Paced steps (0.2 s; no CPU while they wait): the others are still ~30 steps from the
+    # end when replica 2 comes back, however loaded the machine (flat out, a loaded run's
+    # others once finished before it came back: it had nobody left to exchange with).
+    proc = start(out, corpus, "--method", "noloco", "--steps", "100", "--inject-fault",
+                 ",".join(f"pace:{r}:0.2" for r in range(4)))
     try:
         wait_for(lambda: evaluated(out, 2, 40), 120, "replica 2 at step 40")
         pid = worker_pids(out)[(2, 0)]
@@ -157,8 +161,8 @@ def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_
     ev = s["events"]["2"]
     assert any(e["kind"] == "late" for e in ev)  # it came back after its partner had left
     # ... and exchanged again afterwards: fewer solo exchanges than exchanges after the stall.
-    late = {e["call"] for e in ev}
-    assert len(late) < 10 - 4
+    late = {e["call"] for e in ev}  # late, absent, or left out of a snapshot
+    assert len(late) < 10 - 4, ev
     assert math.isfinite(s["final_val_loss_per_replica"]["2"])
 
 

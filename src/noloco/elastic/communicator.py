@@ -137,12 +137,18 @@ class ElasticCommunicator(Communicator):
     def members(self) -> list[int]:
         """The snapshot of the next operation (:meth:`_snapshot`); only this replica while the
         run's store cannot be reached (it exchanges with nobody: the others do not wait for
-        it, and it writes nothing anyone reads — no split brain)."""
+        it, and it writes nothing anyone reads — no split brain). Left out of the snapshot (it
+        registered after it was fixed, or missed an arrival), this replica exchanges with
+        nobody this time, and says so in an event."""
         try:
-            return self._snapshot()
+            snap = self._snapshot()
         except (_Unreachable, *store_errors()) as e:
             self._unreachable(self.calls, e)
             return [self.rank]
+        if self.rank not in snap:
+            self.events.append({"call": self.calls, "step": self.m.step,
+                                "kind": "not_in_snapshot"})
+        return snap
 
     def _reachable(self) -> None:
         """Raise :class:`_Unreachable` while cut off; renew a failed connection first."""
