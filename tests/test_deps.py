@@ -163,3 +163,26 @@ def test_the_torch_lower_bound_has_every_api_the_code_uses():
         name = api.split("(")[0].rsplit(".", 1)[1]
         needle = "group_peer=" if "group_peer" in api else name
         assert needle in code, api
+
+
+# Modules below the elastic machinery (issue 33: layers point one way). Each may import only
+# modules of this floor or of the standard library and third parties, never noloco.elastic.
+BELOW_ELASTIC = ("addresses", "errors", "config", "model", "data", "quant", "sparse", "optim",
+                 "checkpoint", "rundir", "split", "faults", "guard")
+
+
+def _noloco_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "noloco" or m.startswith("noloco.")}
+
+
+def test_the_floors_below_the_elastic_machinery_never_import_it():
+    up = {f"{name}.py": sorted(m for m in _noloco_imports(SRC / f"{name}.py")
+                               if m.startswith("noloco.elastic"))
+          for name in BELOW_ELASTIC}
+    assert {f: ms for f, ms in up.items() if ms} == {}

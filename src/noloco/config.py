@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from noloco.addresses import ETCD_SCHEME, parse_address, parse_endpoints
 from noloco.errors import ConfigError as ConfigError  # re-exported: its home is noloco.errors
 
 METHODS = ("single", "ddp", "diloco", "noloco", "streaming", "sparseloco")
@@ -459,9 +460,7 @@ class Config:
                 raise ConfigError("--peer-timeout must be > 0")
         if (t.coordinator or t.replica_ids) and not m.elastic:
             raise ConfigError("--coordinator and --replica-ids need --elastic")
-        if t.coordinator and t.coordinator.startswith("etcd://"):
-            from noloco.elastic.etcd import parse_endpoints
-
+        if t.coordinator and t.coordinator.startswith(ETCD_SCHEME):
             try:
                 parse_endpoints(t.coordinator)
             except ValueError as e:
@@ -472,7 +471,7 @@ class Config:
             raise ConfigError(f"--run-id takes 1-64 letters, digits, '.', '_' or '-', got "
                               f"{t.run_id!r}")
         if t.secret_file is not None and (not t.coordinator
-                                          or t.coordinator.startswith("etcd://")):
+                                          or t.coordinator.startswith(ETCD_SCHEME)):
             raise ConfigError("--secret-file needs --coordinator HOST:PORT (an etcd cluster "
                               "uses etcd's own authentication: docs/security.md)")
         if (t.run_id is not None or t.coordinator_timeout != 1800.0
@@ -558,14 +557,6 @@ def _check_hf_stages(hf_cfg: Any, path: str) -> None:
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 """Hugging Face model types laid out like Llama (embed_tokens, decoder layers taking rotary
 position embeddings, norm, lm_head): the ones --stages can cut"""
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` → (host, port); a ConfigError names the flag otherwise."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--coordinator must be HOST:PORT, got {text!r}")
-    return host, int(port)
 
 
 def local_replicas(spec: str | None, replicas: int) -> list[int]:

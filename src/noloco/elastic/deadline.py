@@ -288,7 +288,9 @@ def open_address(address: str, timeout: float, ns: Namespace | None = None,
                  lease_ttl: float = 10.0) -> DeadlineStore:
     """:func:`open_store` for ``HOST:PORT``, or a client of the etcd cluster at
     ``etcd://H1:P1,...`` (:mod:`noloco.elastic.etcd`; heartbeats live ``lease_ttl`` s)."""
-    from noloco.elastic.etcd import SCHEME, EtcdStore, parse_endpoints
+    from noloco.addresses import ETCD_SCHEME as SCHEME
+    from noloco.addresses import parse_endpoints
+    from noloco.elastic.etcd import EtcdStore
 
     if address.startswith(SCHEME):
         return _entered(EtcdStore(parse_endpoints(address), timeout, lease_ttl), timeout, ns)

@@ -34,22 +34,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from noloco.addresses import ETCD_SCHEME as SCHEME
+from noloco.addresses import parse_endpoints as parse_endpoints  # re-exported
 from noloco.errors import ConfigError
-
-SCHEME = "etcd://"
-
-
-def parse_endpoints(address: str) -> list[tuple[str, int]]:
-    """``etcd://H1:P1,H2:P2`` → [(H1, P1), (H2, P2)]; ValueError when malformed."""
-    if not address.startswith(SCHEME):
-        raise ValueError(f"not an etcd address: {address!r}")
-    out = []
-    for part in address[len(SCHEME):].split(","):
-        host, _, port = part.strip().rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"etcd endpoints are HOST:PORT, comma-separated; got {part!r}")
-        out.append((host, int(port)))
-    return out
 
 
 def _b64(x: str | bytes) -> str:

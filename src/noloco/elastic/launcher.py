@@ -19,7 +19,9 @@ import sys
 import time
 from typing import Any
 
-from noloco.config import ConfigError, local_replicas, parse_address
+from noloco.addresses import ETCD_SCHEME as SCHEME
+from noloco.addresses import parse_address, parse_endpoints
+from noloco.config import ConfigError, local_replicas
 from noloco.elastic import auth
 from noloco.elastic.deadline import (
     Namespace,
@@ -30,7 +32,6 @@ from noloco.elastic.deadline import (
     store_errors,
     wait_reachable,
 )
-from noloco.elastic.etcd import SCHEME, parse_endpoints
 from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas

@@ -23,7 +23,6 @@ from typing import Any
 
 from noloco.elastic import auth
 from noloco.elastic.deadline import Prefixed, open_address, store_errors
-from noloco.elastic.etcd import SCHEME, parse_endpoints
 from noloco.elastic.host import runs_of
 from noloco.elastic.keys import (
     heartbeat_key,
@@ -332,7 +331,8 @@ def add_subparser(sub: Any) -> None:
 
 
 def run_status(ns: argparse.Namespace) -> int:
-    from noloco.config import ConfigError, parse_address
+    from noloco.addresses import ETCD_SCHEME, parse_address, parse_endpoints
+    from noloco.config import ConfigError
 
     where, run_id = ns.where, ns.run_id
     path = Path(where)
@@ -348,9 +348,9 @@ def run_status(ns: argparse.Namespace) -> int:
         address, run_id = rec["address"], rec["run_id"]
         gated = rec.get("gated", False)
     else:
-        address, gated = where, not where.startswith(SCHEME)
+        address, gated = where, not where.startswith(ETCD_SCHEME)
     try:
-        if address.startswith(SCHEME):
+        if address.startswith(ETCD_SCHEME):
             parse_endpoints(address)
         else:
             parse_address(address)
