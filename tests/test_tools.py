@@ -287,3 +287,10 @@ def test_evaluation_lines_fit_80_columns(capsys):
     assert lines[1].startswith("step 99999  train 12.346")
     assert lines[1].endswith("sent 123 GB  blocked 99.9s")
     assert lines[2].startswith("step     5  train 2.3456") and lines[2].endswith("blocked 123s")
+    # an elastic replica's own line: its number where the run's spread would be
+    p.eval_line({"step": 99_999, "train_loss": 12.3456, "val_loss": 10.1234, "replica": 999,
+                 "bytes_sent": 123.4e9, "sync_seconds": 99.94}, speaks=True)
+    Progress(enabled=False, total=9).eval_line({**rec, "val_loss": 1.0, "weight_spread": 0.0,
+                                               "bytes_sent": 0, "sync_seconds": 0.0})
+    (line,) = capsys.readouterr().out.splitlines()
+    assert len(line) <= 80 and line.startswith("step 99999  train 12.346  val 10.123  replica 999")

@@ -216,15 +216,25 @@ class Progress:
         else:
             print(msg, flush=True)
 
-    def eval_line(self, rec: dict[str, Any]) -> None:
+    def eval_line(self, rec: dict[str, Any], speaks: bool | None = None) -> None:
         """One line per evaluation, within 80 columns (a terminal's width; the time so far
-        is the progress line's)."""
+        is the progress line's): the run's (the replicas' spread), or in an elastic run the
+        speaking replica's own (its number instead). ``speaks``: this worker prints it
+        (default: the worker that prints the evaluations)."""
+        if not (self.enabled if speaks is None else speaks):
+            return
         train = rec["train_loss"]
         train = "  —   " if train is None or train != train else _loss(train)  # none at step 0
         b = rec["sync_seconds"]
-        self.line(f"step {rec['step']:>5}  train {train}  val {_loss(rec['val_loss'])}  spread "
-                  f"{rec['weight_spread']:.1e}  sent {short_bytes(rec['bytes_sent'])}  blocked "
-                  + (f"{b:.1f}s" if b < 99.95 else f"{b:.0f}s"))
+        who = (f"spread {rec['weight_spread']:.1e}" if "weight_spread" in rec
+               else f"replica {rec['replica']:<3}")
+        msg = (f"step {rec['step']:>5}  train {train}  val {_loss(rec['val_loss'])}  {who}  "
+               f"sent {short_bytes(rec['bytes_sent'])}  blocked "
+               + (f"{b:.1f}s" if b < 99.95 else f"{b:.0f}s"))
+        if self.bar is not None:
+            self.bar.console.print(msg)
+        else:
+            print(msg, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

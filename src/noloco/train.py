@@ -23,7 +23,7 @@ import torch
 from noloco import checkpoint as ckpt_mod
 from noloco import data as data_mod
 from noloco.comm import Communicator, flatten, unflatten_into
-from noloco.config import Config, ConfigError
+from noloco.config import Config, ConfigError, local_replicas
 from noloco.distributed import DistContext, Layout, make_comms
 from noloco.errors import Interrupted
 from noloco.faults import FaultInjector, parse_faults
@@ -374,8 +374,12 @@ class Trainer:
                                lay.replica, lay.stage, lay.rank,
                                once=self.ctx.attempt == 0 and self.resumed_from is None,
                                publish=self.publish_step)
-        log = Progress(enabled=lay.rank == 0, total=t.steps, log_every=t.log_every,
-                       start=st.step, show_steps=lay.rank == lay.global_rank(0, lay.stages - 1))
+        # This machine's lowest replica speaks for it (replica 0 where it runs here): its
+        # first stage the evaluations and the end, its last stage (the loss) the progress.
+        speaker = local_replicas(t.replica_ids, lay.replicas)[0]
+        log = Progress(enabled=lay.rank == lay.global_rank(speaker, 0), total=t.steps,
+                       log_every=t.log_every, start=st.step,
+                       show_steps=lay.rank == lay.global_rank(speaker, lay.stages - 1))
         running = {"status": "running", "last_step": st.step, "attempt": self.ctx.attempt,
                    "resumed_from_step": self.resumed_from, "updated_at": time.time()}
         if lay.rank == 0:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from noloco import checkpoint as ckpt_mod
 from noloco.comm import Communicator, NullCommunicator, flatten
-from noloco.config import Config
+from noloco.config import Config, local_replicas
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic import auth
 from noloco.elastic.communicator import ElasticCommunicator
@@ -79,6 +79,8 @@ class ElasticTrainer(Joining, Trainer):
         made to its previous life)"""
         self.joins: list[dict[str, Any]] = []
         self.metrics_file = replica_metrics(rundir.path, lay.replica, lay.stage, lay.stages)
+        self.speaker = local_replicas(cfg.train.replica_ids, lay.replicas)[0]
+        """the replica that speaks for this machine (its evaluations: Trainer.train)"""
 
     def _checkpoint_root(self) -> Path:
         root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"
@@ -114,10 +116,8 @@ class ElasticTrainer(Joining, Trainer):
             self._membership.info["val"] = round(val, 5)
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         append_line(self.metrics_file, json.dumps(rec))
-        if self.lay.replica == 0 and val is not None:  # replica 0's (last) stage speaks
-            print(f"step {step:>6} | replica 0 | val {val:.4f} | sent "
-                  f"{self.comm.bytes_sent / 1e6:,.1f} MB | blocked "
-                  f"{self.comm.sync_seconds:.2f} s", flush=True)
+        if val is not None:  # the last stage (the loss) of this machine's lowest replica
+            log.eval_line(rec, speaks=self.lay.replica == self.speaker)
         st.metric_lines += 1
         st.last_eval_step = step
         st.last_train.clear()
