@@ -68,7 +68,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "slow(why): needs processes, namespaces, faketime, etcd or a browser; "
         "left out of the fast tier (-m 'not slow')")
     config.addinivalue_line(
-        "markers", "alone(why): keeps both cores busy by itself; in a parallel run (-n 2) it "
+        "markers", "alone(why): keeps both cores busy by itself; in a parallel run (-n 3) it "
         "runs with no other test beside it (tests/lanes.py)")
     # The controller of a parallel run makes the lanes' lock before it starts them.
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
@@ -115,7 +115,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 for defs in (info.name2fixturedefs.get(n) for n in info.names_closure)):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
     # The slow tests first (stable within each tier), the longest waits of all first among
-    # them: in two lanes (-n 2) they start at once and the short tests fill the gaps at the
+    # them: in three lanes (-n 3) they start at once and the short tests fill the gaps at the
     # end instead of trailing them.
     items.sort(key=lambda item: (item.get_closest_marker("slow") is None,
                                  Path(str(item.fspath)).name not in LONGEST))

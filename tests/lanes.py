@@ -1,8 +1,8 @@
-"""Two tests at a time without starving either: the lock that keeps an ``alone`` test alone.
+"""Tests side by side without starving one: the lock that keeps an ``alone`` test alone.
 
-The suite runs in two lanes (``-n 2``, pytest-xdist): most multi-process tests wait far more
-than they compute (a peer timeout, a cut link, a restarted coordinator), so two of them side
-by side share the two cores well. A test that keeps both cores busy by itself (four replicas
+The suite runs in three lanes (``-n 3``, pytest-xdist) on two cores: most multi-process tests
+wait much of the time (a peer timeout, a cut link, a restarted coordinator, paced steps), so
+three of them side by side keep the two cores busy. A test that keeps both cores busy by itself (four replicas
 training flat out) gains nothing from a neighbour and would starve one: the neighbour's
 replicas would miss their peer timeouts. Such a test is marked
 ``@pytest.mark.alone("why")`` and runs with nothing beside it.
