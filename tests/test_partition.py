@@ -70,8 +70,8 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.4.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        # 300 steps (150 stretched twice as long failed once in CI, one DiLoCo replica of
-        # the cut machine listing no heal: not understood yet, issue 36).
+        # 300 steps (150 stretched twice as long once had the other machine heal instead of
+        # the cut one: see the DiLoCo check below).
         procs = start_machines(ns, host, port, env, outs, corpus, method, 300)
         wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 60, procs)
         ns.cut(1)
@@ -104,13 +104,17 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
         after = [x for x in recs if x["t"] > back_at + 4 * TIMEOUT]
         if method == "noloco":  # exchanging again: its bytes grow after the partition
             assert after[-1]["bytes_sent"] > after[0]["bytes_sent"], (r, after)
-        else:  # DiLoCo: the quorum stepped without it; it took a committed state
-            healed = [j for j in s1["joins"] if j.get("kind") == "healed"
-                      and j.get("replica", r) == r]
-            assert healed, s1["joins"]
         # nothing crossed the cut while it lasted: no event of an exchange with the other
         # machine during it
-    if method == "diloco":  # one outcome everywhere: the quorum's weights, on both machines
+    if method == "diloco":
+        # The two sides' slow weights parted during the cut: after it, one side took the
+        # other's committed state. Usually the cut machine heals from the quorum that stepped
+        # without it; on a loaded machine the other side may be late for the first
+        # all-reduce after the cut (it waited for the cut machine at every operation of the
+        # cut and fell behind it: issue 36) and heal from the cut machine instead.
+        healed = [j for j in s0["joins"] + s1["joins"] if j.get("kind") == "healed"]
+        assert healed, (s0["joins"], s1["joins"])
+        # one outcome everywhere: the quorum's weights, on both machines
         from safetensors.torch import load_file
         w = [load_file(str(o / "model" / f"replica-{r}.safetensors"))
              for o, r in ((outs[0], 0), (outs[0], 1), (outs[1], 2), (outs[1], 3))]
