@@ -2,9 +2,9 @@
 
 The suite runs in three lanes (``-n 3``, pytest-xdist) on two cores: most multi-process tests
 wait much of the time (a peer timeout, a cut link, a restarted coordinator, paced steps), so
-three of them side by side keep the two cores busy. A test that keeps both cores busy by itself (four replicas
-training flat out) gains nothing from a neighbour and would starve one: the neighbour's
-replicas would miss their peer timeouts. Such a test is marked
+three of them side by side keep the two cores busy. A test that keeps both cores busy by
+itself (four replicas training flat out) gains nothing from a neighbour and would starve one:
+the neighbour's replicas would miss their peer timeouts. Such a test is marked
 ``@pytest.mark.alone("why")`` and runs with nothing beside it.
 
 How: a readers-writer lock over one file that the lanes of a run share. Every test holds it
