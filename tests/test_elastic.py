@@ -135,6 +135,45 @@ def test_kill9_of_one_replica_the_others_finish(tmp_path, corpus):
     assert not (out / "model" / "replica-2.safetensors").exists()
 
 
+@pytest.mark.slow("elastic worker processes, a Ctrl-C and a resume")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["diloco", "noloco"])
+def test_an_interrupted_elastic_run_resumes_each_replica_exactly(tmp_path, corpus, method):
+    """Ctrl-C (SIGINT to the launcher): every replica saves the step it is at, on its own,
+    and the line says how to continue; ``--resume`` continues each replica from its own
+    checkpoint, and the run ends bit for bit where the same run without the stop ends (the
+    static run, which an uncut elastic run equals: the test above)."""
+    args = ["--data", str(corpus), *RUN, "--method", method, "--replicas", "2", "--steps",
+            "60"]
+    assert cli("train", *args, "--out", str(tmp_path / "static")).returncode == 0
+    out = tmp_path / "run"
+    # Paced (0.1 s a step, a sleep): stopped mid-run, wherever each replica is then.
+    proc = start(out, corpus, *args[2:], "--inject-fault", "pace:0:0.1,pace:1:0.1")
+    try:
+        wait_for(lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20), 120, "step 20")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert f"continue with: noloco train --resume {out}" in err, err
+    stopped = summary(out)
+    assert stopped["status"] == "interrupted"
+    saved = {int(r): s for r, s in stopped["saved_steps"].items()}
+    assert sorted(saved) == [0, 1] and all(20 <= s < 60 for s in saved.values()), saved
+    r = cli("train", "--resume", str(out))
+    assert r.returncode == 0, r.stderr
+    for rep, step in saved.items():
+        assert f"replica {rep}: resuming from step {step}" in r.stderr, r.stderr
+        own = json.loads((out / "metrics" / f"replica-{rep}.json").read_text())
+        assert own["resumed_from_step"] == step and own["steps"] == 60
+    s = summary(out)
+    assert s["status"] == "completed" and s["replicas_finished"] == [0, 1]
+    a, b = weights(tmp_path / "static"), weights(out)
+    for name in ("replica-0.safetensors", "replica-1.safetensors"):
+        assert all((a[name][k] == b[name][k]).all() for k in a[name]), name
+
+
 @pytest.mark.slow("elastic worker processes, a stall")
 @pytest.mark.timeout(300)
 def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_path,

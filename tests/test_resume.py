@@ -104,6 +104,26 @@ def test_resume_refuses_what_would_change_the_run(finished, capfd, argv, msg):
     assert {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.parametrize("change, what", [
+    ({"method": {"stages": 2, "routing": "fixed"}}, "with pipeline stages"),
+    ({"train": {"coordinator": "127.0.0.1:29400", "replica_ids": "0-1"}}, "at a coordinator")])
+def test_an_elastic_run_resumes_only_locally_and_in_one_stage(finished, tmp_path, capfd,
+                                                             change, what):
+    """What elastic --resume does not do yet is one line, before anything starts."""
+    import shutil
+
+    run = tmp_path / "elastic"
+    shutil.copytree(finished, run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["method"].update(method="noloco", replicas=2, elastic=True, sync_every=5)
+    for section, values in change.items():
+        cfg[section].update(values)
+    (run / "config.json").write_text(json.dumps(cfg))
+    assert main(["train", "--resume", str(run), "--steps", "20"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--resume of an elastic run {what} is not supported yet" in err[0]
+
+
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path, corpus, capfd):
     assert main(["train", "--resume", str(tmp_path / "nothing"), "--steps", "5"]) == 2
     assert "not a run directory" in capfd.readouterr().err

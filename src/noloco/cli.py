@@ -153,6 +153,12 @@ def resume_config(ns: argparse.Namespace) -> Config:
                               f"{run_dir} used {old!r}, not {new!r} (only "
                               f"{', '.join(_resumable_flags())} may differ)")
     wanted.train.out, wanted.train.overwrite = str(run_dir), False
+    m = wanted.method
+    if m.elastic and (m.stages > 1 or wanted.train.coordinator):
+        what = "with pipeline stages" if m.stages > 1 else "at a coordinator"
+        raise ConfigError(f"--resume of an elastic run {what} is not supported yet (a local "
+                          f"elastic run of one stage resumes each replica from its own "
+                          f"checkpoint)")
     return wanted.resolved()
 
 
@@ -228,7 +234,7 @@ def _preflight_resume(cfg: Config) -> None:
     from noloco.checkpoint import complete_steps
 
     root = Path(cfg.train.out) / "checkpoints"
-    steps = complete_steps(root, cfg.world_size)
+    steps = _elastic_steps(cfg) if cfg.method.elastic else complete_steps(root, cfg.world_size)
     if not steps:
         raise ConfigError(f"no complete checkpoint in {root}: nothing to resume")
     if steps[0] >= cfg.train.steps:
@@ -238,6 +244,22 @@ def _preflight_resume(cfg: Config) -> None:
         print(f"noloco: note: the learning-rate schedule of this run ends at step "
               f"{cfg.optim.schedule_steps} (its --schedule-steps); later steps keep its final "
               f"learning rate", file=sys.stderr)
+
+
+def _elastic_steps(cfg: Config) -> list[int]:
+    """The newest complete checkpoint of each of this machine's replicas (of one stage) that
+    has one, newest first: each resumes from its own."""
+    from noloco.checkpoint import complete_steps
+    from noloco.config import local_replicas
+    from noloco.elastic.worker import replica_checkpoints
+
+    m, out = cfg.method, Path(cfg.train.out)
+    newest = []
+    for r in local_replicas(cfg.train.replica_ids, m.replicas):
+        steps = complete_steps(replica_checkpoints(out, r), 1)
+        if steps:
+            newest.append(steps[0])
+    return sorted(newest, reverse=True)
 
 
 def _preflight(cfg: Config, resuming: bool) -> Any:

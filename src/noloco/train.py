@@ -287,11 +287,13 @@ class Trainer:
         self.state = LoopState(**sd["loop"])
 
     def resume(self, required: bool) -> None:
-        """Continue from the newest checkpoint every worker holds whole (collective)."""
-        root = self.rundir.path / "checkpoints"
+        """Continue from the newest checkpoint every worker of the checkpointer's world holds
+        whole (collective over it: the run's workers; an elastic replica alone, from its
+        own checkpoints)."""
+        root = self.ckpt.root
 
         def gather(x: int) -> list[int]:
-            if self.lay.world == 1:
+            if self.ckpt.world == 1:
                 return [x]
             return [int(v) for v in self.world.all_gather(torch.tensor([x]))]
 
@@ -299,12 +301,12 @@ class Trainer:
             print(f"noloco: {self.lay.describe(self.lay.rank)}: {msg}", file=sys.stderr,
                   flush=True)
 
-        step, sd = ckpt_mod.agree_on_step(root, self.lay.rank, self.cfg.math_hash(), gather,
+        step, sd = ckpt_mod.agree_on_step(root, self.ckpt.rank, self.cfg.math_hash(), gather,
                                           report)
         if step is None:
             if required:
                 raise ConfigError(f"no complete checkpoint in {root} to resume from")
-            if self.lay.rank == 0:
+            if self.lay.rank == 0 and not self.cfg.method.elastic:
                 self.rundir.truncate_metrics(0)  # a restart before any checkpoint: anew
             return
         if step >= self.cfg.train.steps and required:
@@ -312,7 +314,11 @@ class Trainer:
                               f"pass --steps above it to train further")
         self.restore(sd)
         self.resumed_from = step
-        if self.lay.rank == 0:
+        if self.cfg.method.elastic:  # its own metrics file: a step's newest record counts
+            print(f"noloco: replica {self.lay.replica}"
+                  f"{f' stage {self.lay.stage}' if self.lay.stages > 1 else ''}: resuming "
+                  f"from step {step}", file=sys.stderr, flush=True)
+        elif self.lay.rank == 0:
             self.rundir.truncate_metrics(self.state.metric_lines)
             print(f"noloco: resuming from {root.name}/{ckpt_mod.step_dir(root, step).name} "
                   f"(step {step}){self.redone(step)}", file=sys.stderr, flush=True)
@@ -387,10 +393,13 @@ class Trainer:
         # A stop waits for the step boundary, where a checkpoint holds the whole state: alone,
         # or under a launcher that signals every worker, ours or torchrun (the workers agree
         # on the step in its store). Elsewhere a signal may reach some workers only.
-        self.status.graceful = not cfg.method.elastic and (
-            lay.world == 1 or (self.ctx.store is not None
-                               and (os.environ.get("NOLOCO_SUPERVISED") == "1"
-                                    or "TORCHELASTIC_RUN_ID" in os.environ)))
+        # An elastic replica of one stage stops alone: it saves its own step (no agreement;
+        # a resume takes each replica's own newest checkpoint).
+        self.status.graceful = (cfg.method.elastic and lay.stages == 1) or (
+            not cfg.method.elastic and (
+                lay.world == 1 or (self.ctx.store is not None
+                                   and (os.environ.get("NOLOCO_SUPERVISED") == "1"
+                                        or "TORCHELASTIC_RUN_ID" in os.environ))))
         self.t_loop = time.perf_counter()
         comm, method, inner, runner = self.comm, self.method, self.inner, self.runner
         if self.resumed_from is None:

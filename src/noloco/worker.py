@@ -68,7 +68,7 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
                               "`noloco coordinator` and `noloco train --elastic --coordinator "
                               "HOST:PORT --replica-ids ...` on each (docs/elastic.md)")
         from noloco.elastic import worker as elastic_worker
-        return elastic_worker.run(cfg, status)
+        return elastic_worker.run(cfg, status, resume)
     cfg = cfg.resolved()
     m, t = cfg.method, cfg.train
     lay = Layout.from_env(m.replicas, m.stages)

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from noloco import checkpoint as ckpt_mod
 from noloco.addresses import ETCD_SCHEME as SCHEME
 from noloco.addresses import parse_address, parse_endpoints
 from noloco.config import ConfigError, local_replicas
@@ -36,7 +37,7 @@ from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
 from noloco.elastic.status import STORE_FILE, Dashboard
-from noloco.elastic.worker import combine, replica_metrics
+from noloco.elastic.worker import combine, replica_checkpoints, replica_metrics
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, plural
 from noloco.launch import Supervisor
 from noloco.rundir import RunDir, write_json_atomic
@@ -44,10 +45,6 @@ from noloco.rundir import RunDir, write_json_atomic
 
 class ElasticSupervisor(Supervisor):
     def run(self) -> int:
-        if self.resume:
-            print("noloco: error: --resume of an elastic run is not supported yet (each "
-                  "replica's checkpoints are under checkpoints/replica-K/)", file=sys.stderr)
-            return 2
         t = self.cfg.train
         self.replicas = self.cfg.method.replicas
         self.local = local_replicas(t.replica_ids, self.replicas)
@@ -115,14 +112,32 @@ class ElasticSupervisor(Supervisor):
             self.reps = {r: self._start(r) for r in self.local}
             while len(finished | dead) < len(self.local):
                 if self.signum is not None:
-                    self._stop_all()
+                    # Each replica (of one stage) saves the step it is at and stops; with
+                    # pipeline stages they stop at once (their stages would have to agree,
+                    # and such a run does not resume yet).
+                    self._stop_all(graceful=self.stages == 1)
                     step = max((self._step(r) for r in self.local), default=0)
+                    saved = self._saved_steps() if self.stages == 1 and not t.coordinator \
+                        else {}
                     with contextlib.suppress(OSError):
                         RunDir(self.out).update_summary(status="interrupted", last_step=step,
                                                         exit_code=128 + self.signum,
-                                                        failures=self.failures, elastic=True)
-                    print(f"noloco: interrupted at step {step} (elastic runs cannot be resumed "
-                          f"yet)", file=sys.stderr, flush=True)
+                                                        failures=self.failures, elastic=True,
+                                                        saved_steps=saved)
+                    name = signal.Signals(self.signum).name
+                    if any(s is not None for s in saved.values()):
+                        at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
+                                       if s is not None)
+                        print(f"noloco: stopped by {name}; saved {at}; continue with: noloco "
+                              f"train --resume {self.out}", file=sys.stderr, flush=True)
+                    elif self.stages > 1 or t.coordinator:
+                        what = "with pipeline stages" if self.stages > 1 else "at a coordinator"
+                        print(f"noloco: stopped by {name} at step {step} (an elastic run "
+                              f"{what} cannot be resumed yet)", file=sys.stderr, flush=True)
+                    else:
+                        print(f"noloco: stopped by {name} at step {step}, before any "
+                              f"checkpoint: nothing to resume (start again with --overwrite)",
+                              file=sys.stderr, flush=True)
                     return 128 + self.signum
                 for r, stages in list(self.reps.items()):
                     if r in finished or r in dead:
@@ -251,6 +266,14 @@ class ElasticSupervisor(Supervisor):
                 else:
                     env.pop(var, None)
         return self.starter.start([json.dumps(self.cfg.to_dict())], env)
+
+    def _saved_steps(self) -> dict[int, int | None]:
+        """Each local replica's newest complete checkpoint (one stage), or None."""
+        out: dict[int, int | None] = {}
+        for r in self.local:
+            steps = ckpt_mod.complete_steps(replica_checkpoints(self.out, r), 1)
+            out[r] = steps[0] if steps else None
+        return out
 
     def _step(self, replica: int) -> int:
         """The last step the replica is known to have reached: its beat (which may lag the

@@ -57,6 +57,12 @@ def replica_metrics(out: Path, replica: int, stage: int = 0, stages: int = 1) ->
     return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.jsonl"
 
 
+def replica_checkpoints(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
+    """Where a replica's (stage's) own checkpoints go: it saves and resumes alone."""
+    root = out / "checkpoints" / f"replica-{replica}"
+    return root / f"stage-{stage}" if stages > 1 else root
+
+
 def replica_summary(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
     return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.json"
 
@@ -83,8 +89,8 @@ class ElasticTrainer(Joining, Trainer):
         """the replica that speaks for this machine (its evaluations: Trainer.train)"""
 
     def _checkpoint_root(self) -> Path:
-        root = self.rundir.path / "checkpoints" / f"replica-{self.lay.replica}"
-        return root / f"stage-{self.lay.stage}" if self.lay.stages > 1 else root
+        return replica_checkpoints(self.rundir.path, self.lay.replica, self.lay.stage,
+                                   self.lay.stages)
 
     def pipeline_layout(self) -> Layout:
         # The replica's stages are a process group of their own (fixed routing: the samples
@@ -178,9 +184,11 @@ class ElasticTrainer(Joining, Trainer):
         return summary
 
 
-def run(cfg: Config, status: Any) -> dict[str, Any] | None:
+def run(cfg: Config, status: Any, resume: bool = False) -> dict[str, Any] | None:
     """One replica of an elastic run, under the local launcher (its store, its environment:
-    ``RANK`` is the replica, ``NOLOCO_INCARNATION`` how many times it was started before)."""
+    ``RANK`` is the replica, ``NOLOCO_INCARNATION`` how many times it was started before).
+    ``resume`` (``--resume``): its first life continues from its own newest checkpoint (none:
+    it starts afresh, as a replica that never saved); a later life joins, as always."""
     cfg = cfg.resolved()
     m, t = cfg.method, cfg.train
     replica = int(os.environ["NOLOCO_REPLICA"])
@@ -230,6 +238,9 @@ def run(cfg: Config, status: Any) -> dict[str, Any] | None:
                                  membership)
         if incarnation > 0:
             trainer.join()
+        elif resume:
+            trainer.resume(required=False)
+            membership.step = status.step = trainer.state.step
         membership.ready = True  # a donor from now on
         membership.joining = False  # a member of new snapshots
         membership.beat()
