@@ -237,8 +237,10 @@ def _preflight_resume(cfg: Config) -> None:
     steps = _elastic_steps(cfg) if cfg.method.elastic else complete_steps(root, cfg.world_size)
     if not steps:
         raise ConfigError(f"no complete checkpoint in {root}: nothing to resume")
-    if steps[0] >= cfg.train.steps:
-        raise ConfigError(f"the run in {cfg.train.out} already reached step {steps[0]}: pass "
+    # an elastic run: every replica's own newest (one may have finished, another not)
+    reached = steps[-1] if cfg.method.elastic else steps[0]
+    if reached >= cfg.train.steps:
+        raise ConfigError(f"the run in {cfg.train.out} already reached step {reached}: pass "
                           f"--steps above it to train further")
     if cfg.optim.schedule_steps < cfg.train.steps:
         print(f"noloco: note: the learning-rate schedule of this run ends at step "

@@ -241,26 +241,28 @@ class Supervisor:
         self._stop_all()
         return self._diagnose(attempt, failed, stopped)
 
-    def _stop_all(self, graceful: bool = False) -> None:
+    def _stop_all(self, graceful: bool = False, grace: float = STOP_SECONDS) -> None:
         """SIGTERM (and SIGCONT, for a stopped worker), then SIGKILL after STOP_SECONDS.
         ``graceful``: SIGINT first, on which the workers stop at a step they agree on and
-        checkpoint it (:meth:`noloco.train.Trainer.agree_stop_step`), within STOP_SECONDS."""
+        checkpoint it (:meth:`noloco.train.Trainer.agree_stop_step`), within ``grace``
+        seconds."""
         if graceful:
-            self._signal_and_wait(signal.SIGINT)
+            self._signal_and_wait(signal.SIGINT, grace)
         for p in self._signal_and_wait(signal.SIGTERM):
             with contextlib.suppress(ProcessLookupError):
                 p.kill()
             p.wait()
 
-    def _signal_and_wait(self, sig: signal.Signals) -> list[subprocess.Popen | WarmProcess]:
+    def _signal_and_wait(self, sig: signal.Signals, seconds: float = STOP_SECONDS
+                         ) -> list[subprocess.Popen | WarmProcess]:
         """``sig`` (and SIGCONT, for a stopped worker) to every live worker; the workers still
-        running STOP_SECONDS later."""
+        running ``seconds`` later."""
         alive = [p for p in self.procs.values() if p.poll() is None]
         for p in alive:
             for s in (sig, signal.SIGCONT):
                 with contextlib.suppress(ProcessLookupError):
                     p.send_signal(s)
-        deadline = time.monotonic() + STOP_SECONDS
+        deadline = time.monotonic() + seconds
         for p in alive:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))

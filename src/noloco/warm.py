@@ -27,10 +27,12 @@ The command line (``python -m noloco``, the ``noloco`` command: :func:`allow_for
 even start the warm parent as a new program: it forks it from itself, a process that has
 imported torch and noloco already, so the warm parent only adds what a worker needs beyond the
 launcher (torch's compiler front end, the workers' modules). It forks only while it holds
-nothing a child could disturb: one thread, no open file but its standard streams, no socket
-(:func:`_forkable`); the child closes every descriptor but its pipes, forgets the launcher's
-``atexit`` handlers and signal handlers and takes the environment a started warm parent would
-get. A library caller (an embedding program, a test process) starts it as a new program.
+nothing a child could disturb: one thread, no atexit handler but its imports', no open file
+but its standard streams, no socket or mapping (:func:`_forkable`); the child closes every
+descriptor but its pipes, resets the launcher's signal handlers and takes the environment a
+started warm parent gets (what the launcher's imports read of the environment, such as
+thread counts, they read as the launcher had it; every worker sets its own). A library
+caller (an embedding program, a test process) starts it as a new program.
 
 ``NOLOCO_WARM_START=program`` starts the warm parent as a program even from the command line
 (``benchmarks/warm_start.py`` compares the two). ``NOLOCO_WARM_START=0`` turns it off (every
@@ -64,6 +66,8 @@ CLOSE_SECONDS = 10.0
 
 
 _fork_allowed = False
+_exit_handlers = 0
+"""how many atexit handlers the imports had registered when the command line allowed forks"""
 
 
 def enabled() -> bool:
@@ -74,8 +78,9 @@ def enabled() -> bool:
 def allow_fork() -> None:
     """This process is noloco's own command line, whose state noloco knows: its launchers may
     fork their warm parent from it instead of starting a new program."""
-    global _fork_allowed
+    global _fork_allowed, _exit_handlers
     _fork_allowed = True
+    _exit_handlers = atexit._ncallbacks()
 
 
 # ---- the launcher's side --------------------------------------------------------------------
@@ -231,7 +236,11 @@ class _Forked:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): as Popen does
+                self.returncode = 0
+                return 0
             if pid:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
@@ -257,11 +266,13 @@ _HOLDERS = (io.FileIO, socket.socket, mmap.mmap)
 def _forkable() -> bool:
     """Whether this process may fork the warm parent: it is noloco's command line
     (:func:`allow_fork`), runs one thread (a fork copies another thread's locks, not the
-    thread) and holds no file but its standard streams and no socket or mapping (the child
+    thread), has registered no atexit handler of its own since its imports (the child keeps
+    the imports' handlers, as a started warm parent has them, and would run the others
+    too), and holds no file but its standard streams and no socket or mapping (the child
     closes their descriptors; the objects, copied, would later flush or close into whatever
     took their numbers)."""
     if not _fork_allowed or os.environ.get("NOLOCO_WARM_START") == "program" \
-            or _threads() != 1:
+            or _threads() != 1 or atexit._ncallbacks() != _exit_handlers:
         return False
     for obj in gc.get_objects():  # by type(), as exiting.flush_open_files does
         if issubclass(type(obj), _HOLDERS):
@@ -277,9 +288,9 @@ def _forkable() -> bool:
 
 def _fork_warm_parent(env: dict[str, str], req: int, resp: int) -> _Forked | None:
     """Fork this process into a warm parent (see the module's text); None if fork fails."""
-    for f in (sys.stdout, sys.stderr):  # else the child would write their buffers again
-        with contextlib.suppress(Exception):
-            f.flush()
+    from noloco.exiting import flush_open_files
+
+    flush_open_files()  # Python's and C's buffers: else the child would write them again
     launcher = os.getpid()
     try:
         pid = os.fork()
@@ -291,7 +302,6 @@ def _fork_warm_parent(env: dict[str, str], req: int, resp: int) -> _Forked | Non
     code = 1
     try:
         os.setsid()
-        atexit._clear()
         for s in signal.valid_signals():
             with contextlib.suppress(OSError, ValueError):
                 h = signal.getsignal(s)
@@ -309,6 +319,10 @@ def _fork_warm_parent(env: dict[str, str], req: int, resp: int) -> _Forked | Non
         os.environ.update(env)
         sys.argv = [__file__, str(req), str(resp), str(launcher)]
         code = serve(req, resp, launcher)
+    except SystemExit as e:  # as the interpreter ends a started one on it
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
     except BaseException:  # noqa: BLE001 - the launcher sees it as a warm parent that failed
         with contextlib.suppress(Exception):
             traceback.print_exc()

@@ -39,7 +39,7 @@ from noloco.elastic.membership import live_replicas
 from noloco.elastic.status import STORE_FILE, Dashboard
 from noloco.elastic.worker import combine, replica_checkpoints, replica_metrics
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, plural
-from noloco.launch import Supervisor
+from noloco.launch import STOP_SECONDS, Supervisor
 from noloco.rundir import RunDir, write_json_atomic
 
 
@@ -114,8 +114,14 @@ class ElasticSupervisor(Supervisor):
                 if self.signum is not None:
                     # Each replica (of one stage) saves the step it is at and stops; with
                     # pipeline stages they stop at once (their stages would have to agree,
-                    # and such a run does not resume yet).
-                    self._stop_all(graceful=self.stages == 1)
+                    # and such a run does not resume yet). A replica inside an operation
+                    # finishes it first: it may wait --peer-timeout for a partner that
+                    # stopped before it.
+                    self._stop_all(graceful=self.stages == 1,
+                                   grace=STOP_SECONDS + self.cfg.method.peer_timeout)
+                    if all(p.poll() == 0 for ps in self.reps.values() for p in ps):
+                        finished |= set(self.reps)  # every one ended first: a completed run
+                        break
                     step = max((self._step(r) for r in self.local), default=0)
                     saved = self._saved_steps() if self.stages == 1 and not t.coordinator \
                         else {}

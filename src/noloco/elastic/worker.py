@@ -188,7 +188,7 @@ def run(cfg: Config, status: Any, resume: bool = False) -> dict[str, Any] | None
     """One replica of an elastic run, under the local launcher (its store, its environment:
     ``RANK`` is the replica, ``NOLOCO_INCARNATION`` how many times it was started before).
     ``resume`` (``--resume``): its first life continues from its own newest checkpoint (none:
-    it starts afresh, as a replica that never saved); a later life joins, as always."""
+    it joins from a live replica, as a respawned one does); a later life joins, as always."""
     cfg = cfg.resolved()
     m, t = cfg.method, cfg.train
     replica = int(os.environ["NOLOCO_REPLICA"])
@@ -240,6 +240,8 @@ def run(cfg: Config, status: Any, resume: bool = False) -> dict[str, Any] | None
             trainer.join()
         elif resume:
             trainer.resume(required=False)
+            if trainer.resumed_from is None:  # it never saved: it joins the others instead
+                trainer.join()
             membership.step = status.step = trainer.state.step
         membership.ready = True  # a donor from now on
         membership.joining = False  # a member of new snapshots
