@@ -100,13 +100,16 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, c
                for o in restarts)
     assert sum(o["operations_skipped"] for o in restarts) >= 1
     assert "restarted empty" in err
-    # The replicas met again after it: each exchanged (or all-reduced) in the new epoch.
-    assert max(o["to_step"] for o in restarts) < STEPS - 40
+    # The replicas met again after it: each exchanged (or all-reduced) in the new epoch, in
+    # its last 20 steps at least. (The outage lasts as long as the new coordinator takes to
+    # start, longer on a loaded machine: in a three-lane run beside two busy loops a replica
+    # went on at step 84 of 120, its outage ~44 paced steps.)
+    assert max(o["to_step"] for o in restarts) < STEPS - 20
     for r in range(4):
         assert json.loads((out / "metrics" / f"replica-{r}.json").read_text())["epoch"] == 1
         sent = {json.loads(x)["step"]: json.loads(x)["bytes_sent"] for x in
                 (out / "metrics" / f"replica-{r}.jsonl").read_text().splitlines()}
-        assert sent[STEPS] > sent[STEPS - 40], sent
+        assert sent[STEPS] > sent[STEPS - 20], sent
     # NoLoCo within 2%. DiLoCo pays more: its first all-reduce after the outage is one outer
     # step over all of it (H ~ 30-40 instead of 10, with Nesterov momentum); measured +2.2% to
     # +2.9% at 200 steps whatever the outage's share of the run (12-50%), and -0.5% (NoLoCo)
