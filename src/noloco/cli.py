@@ -251,17 +251,12 @@ def _preflight_resume(cfg: Config) -> None:
 def _elastic_steps(cfg: Config) -> list[int]:
     """The newest complete checkpoint of each of this machine's replicas (of one stage) that
     has one, newest first: each resumes from its own."""
-    from noloco.checkpoint import complete_steps
     from noloco.config import local_replicas
-    from noloco.elastic.worker import replica_checkpoints
+    from noloco.elastic.worker import newest_checkpoints
 
-    m, out = cfg.method, Path(cfg.train.out)
-    newest = []
-    for r in local_replicas(cfg.train.replica_ids, m.replicas):
-        steps = complete_steps(replica_checkpoints(out, r), 1)
-        if steps:
-            newest.append(steps[0])
-    return sorted(newest, reverse=True)
+    newest = newest_checkpoints(Path(cfg.train.out),
+                                local_replicas(cfg.train.replica_ids, cfg.method.replicas))
+    return sorted((s for s in newest.values() if s is not None), reverse=True)
 
 
 def _preflight(cfg: Config, resuming: bool) -> Any:

@@ -214,6 +214,9 @@ class Trainer:
         self.state = LoopState()
         self.resumed_from: int | None = None
         self.stop_step: int | None = None
+        self.speaker = local_replicas(t.replica_ids, lay.replicas)[0]
+        """the replica that speaks for this machine (replica 0 where it runs here): its first
+        stage prints the evaluations and the end, its last stage (the loss) the progress"""
         """the step every worker stops at after a SIGINT/SIGTERM (once they agreed on it)"""
         self.t_loop = time.perf_counter()
         self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum
@@ -380,12 +383,9 @@ class Trainer:
                                lay.replica, lay.stage, lay.rank,
                                once=self.ctx.attempt == 0 and self.resumed_from is None,
                                publish=self.publish_step)
-        # This machine's lowest replica speaks for it (replica 0 where it runs here): its
-        # first stage the evaluations and the end, its last stage (the loss) the progress.
-        speaker = local_replicas(t.replica_ids, lay.replicas)[0]
-        log = Progress(enabled=lay.rank == lay.global_rank(speaker, 0), total=t.steps,
+        log = Progress(enabled=lay.rank == lay.global_rank(self.speaker, 0), total=t.steps,
                        log_every=t.log_every, start=st.step,
-                       show_steps=lay.rank == lay.global_rank(speaker, lay.stages - 1))
+                       show_steps=lay.rank == lay.global_rank(self.speaker, lay.stages - 1))
         running = {"status": "running", "last_step": st.step, "attempt": self.ctx.attempt,
                    "resumed_from_step": self.resumed_from, "updated_at": time.time()}
         if lay.rank == 0:

@@ -19,7 +19,6 @@ import sys
 import time
 from typing import Any
 
-from noloco import checkpoint as ckpt_mod
 from noloco.addresses import ETCD_SCHEME as SCHEME
 from noloco.addresses import parse_address, parse_endpoints
 from noloco.config import ConfigError, local_replicas
@@ -37,7 +36,7 @@ from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
 from noloco.elastic.status import STORE_FILE, Dashboard
-from noloco.elastic.worker import combine, replica_checkpoints, replica_metrics
+from noloco.elastic.worker import combine, newest_checkpoints, replica_metrics
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, plural
 from noloco.launch import STOP_SECONDS, Supervisor
 from noloco.rundir import RunDir, write_json_atomic
@@ -123,8 +122,8 @@ class ElasticSupervisor(Supervisor):
                         finished |= set(self.reps)  # every one ended first: a completed run
                         break
                     step = max((self._step(r) for r in self.local), default=0)
-                    saved = self._saved_steps() if self.stages == 1 and not t.coordinator \
-                        else {}
+                    saved = newest_checkpoints(self.out, self.local) \
+                        if self.stages == 1 and not t.coordinator else {}
                     with contextlib.suppress(OSError):
                         RunDir(self.out).update_summary(status="interrupted", last_step=step,
                                                         exit_code=128 + self.signum,
@@ -272,14 +271,6 @@ class ElasticSupervisor(Supervisor):
                 else:
                     env.pop(var, None)
         return self.starter.start([json.dumps(self.cfg.to_dict())], env)
-
-    def _saved_steps(self) -> dict[int, int | None]:
-        """Each local replica's newest complete checkpoint (one stage), or None."""
-        out: dict[int, int | None] = {}
-        for r in self.local:
-            steps = ckpt_mod.complete_steps(replica_checkpoints(self.out, r), 1)
-            out[r] = steps[0] if steps else None
-        return out
 
     def _step(self, replica: int) -> int:
         """The last step the replica is known to have reached: its beat (which may lag the

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from noloco import checkpoint as ckpt_mod
 from noloco.comm import Communicator, NullCommunicator, flatten
-from noloco.config import Config, local_replicas
+from noloco.config import Config
 from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic import auth
 from noloco.elastic.communicator import ElasticCommunicator
@@ -63,6 +63,13 @@ def replica_checkpoints(out: Path, replica: int, stage: int = 0, stages: int = 1
     return root / f"stage-{stage}" if stages > 1 else root
 
 
+def newest_checkpoints(out: Path, replicas: list[int]) -> dict[int, int | None]:
+    """Each replica's (of one stage) newest complete checkpoint, or None: where ``--resume``
+    continues it."""
+    newest = {r: ckpt_mod.complete_steps(replica_checkpoints(out, r), 1) for r in replicas}
+    return {r: steps[0] if steps else None for r, steps in newest.items()}
+
+
 def replica_summary(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
     return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.json"
 
@@ -85,8 +92,6 @@ class ElasticTrainer(Joining, Trainer):
         made to its previous life)"""
         self.joins: list[dict[str, Any]] = []
         self.metrics_file = replica_metrics(rundir.path, lay.replica, lay.stage, lay.stages)
-        self.speaker = local_replicas(cfg.train.replica_ids, lay.replicas)[0]
-        """the replica that speaks for this machine (its evaluations: Trainer.train)"""
 
     def _checkpoint_root(self) -> Path:
         return replica_checkpoints(self.rundir.path, self.lay.replica, self.lay.stage,
