@@ -61,7 +61,18 @@ import common  # noqa: E402
 
 GENERATE_TARGET = 10.0
 """issue 34: the GPU samples at least 10x as many tokens per second as the CPU"""
-STEPS = ("train_fp32", "train_bf16", "train_compile", "checkpoint", "generate", "codecs")
+STEPS = ("train_fp32", "train_bf16", "train_compile", "checkpoint", "generate", "codecs",
+         "shared", "shared_vs_cpu", "shared_elastic")
+SHARED = {
+    "ddp": ["--method", "ddp"],
+    "diloco": ["--method", "diloco"],
+    "streaming_fp4": ["--method", "streaming", "--fragments", "2", "--overlap-steps", "1",
+                      "--quantize", "fp4"],
+    "noloco": ["--method", "noloco"],
+    "sparseloco": ["--method", "sparseloco"],
+    "pipeline_2x2": ["--method", "diloco", "--stages", "2"],
+}
+"""the shared step's runs: every method, and a pipeline of 2 stages (half the replicas)"""
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
@@ -86,6 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--codec-repeats", type=int, default=None, help="timed codec calls (5; 2)")
     p.add_argument("--topk", default="topk:0.02:2", help="the top-k setting compared "
                    "(default topk:0.02:2)")
+    p.add_argument("--shared-replicas", type=int, default=None,
+                   help="replicas sharing the device in the shared steps (4; 2 --quick)")
+    p.add_argument("--shared-steps", type=int, default=None,
+                   help="steps of each shared run (60; 12 --quick); H is a fifth of it")
+    p.add_argument("--shared-seq-len", type=int, default=None,
+                   help="tokens per sequence in the shared runs (256; 64 --quick)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="tokens read from the built-in corpus (2000000; 200000 --quick)")
     p.add_argument("--no-bf16", action="store_true", help="leave the bf16 step out")
@@ -102,10 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     quick = {"preset": "tiny", "seq_len": 64, "batch_size": 4, "steps": 8, "warmup_steps": 2,
              "sync_every": 4, "diloco_steps": 12, "new_tokens": 24, "codec_numel": 1 << 16,
-             "codec_repeats": 2, "max_tokens": 200_000, "budget_s": 240.0}
+             "codec_repeats": 2, "max_tokens": 200_000, "budget_s": 240.0,
+             "shared_replicas": 2, "shared_steps": 30, "shared_seq_len": 64}
     full = {"preset": "small", "seq_len": 1024, "batch_size": 8, "steps": 30, "warmup_steps": 5,
             "sync_every": 50, "diloco_steps": 150, "new_tokens": 200, "codec_numel": 1 << 22,
-            "codec_repeats": 5, "max_tokens": 2_000_000, "budget_s": 330.0}
+            "codec_repeats": 5, "max_tokens": 2_000_000, "budget_s": 330.0,
+            "shared_replicas": 4, "shared_steps": 60, "shared_seq_len": 256}
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
@@ -321,6 +340,118 @@ def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[st
             "blocked_seconds_per_save": runs["default"]["checkpoint_blocked_seconds"]
             / max(1, runs["default"]["checkpoint_saves"]),
             "model_run": str(tmp / "diloco_default")}
+
+
+# ---- steps: replicas sharing the device ------------------------------------------------------
+
+def shared_argv(a: argparse.Namespace, out: Path, preset: str, device: str, *extra: str
+                ) -> list[str]:
+    h = max(4, a.shared_steps // 5)
+    argv = noloco_argv(a, out, "--replicas", str(a.shared_replicas), "--steps",
+                       str(a.shared_steps), "--sync-every", str(h), "--eval-every",
+                       str(a.shared_steps), "--checkpoint-every", "0", *extra)
+    argv[argv.index("--preset") + 1] = preset
+    argv[argv.index("--seq-len") + 1] = str(a.shared_seq_len)
+    argv[argv.index("--device") + 1] = device
+    if "--stages" in extra:  # replicas x stages workers share the device as before
+        argv[argv.index("--replicas") + 1] = str(max(1, a.shared_replicas // 2))
+    return argv
+
+
+def shared_facts(s: dict[str, Any], wall: float) -> dict[str, Any]:
+    return {"process_wall_seconds": wall, "final_val_loss": s["final_val_loss"],
+            "bytes_sent_per_replica": s["bytes_sent_per_replica"], "ops": s.get("ops"),
+            "device": s.get("device"), "gpu": s.get("gpu"), "host_staged": s.get("host_staged"),
+            "tokens_per_second": s.get("tokens_per_second"),
+            "compute_utilisation": s.get("compute_utilisation")}
+
+
+def shared_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Every method with ``--shared-replicas`` replicas on the one device (the GPU: gloo on
+    host copies), and a 2-stage pipeline: each must finish with a finite loss; the record
+    holds the GPU's estimate against its measured peak."""
+    import math
+
+    runs: dict[str, Any] = {}
+    for name, extra in SHARED.items():
+        out = tmp / f"shared_{name}"
+        _, s, wall = run_noloco(shared_argv(a, out, a.preset, a.device, *extra))
+        runs[name] = shared_facts(s, wall)
+        if not math.isfinite(s["final_val_loss"]):
+            raise RuntimeError(f"{name}: final validation loss {s['final_val_loss']}")
+        shutil.rmtree(out, ignore_errors=True)
+    return {"replicas": a.shared_replicas, "preset": a.preset, "seq_len": a.shared_seq_len,
+            "steps": a.shared_steps, "runs": runs}
+
+
+@contextlib.contextmanager
+def env(**values: str | None) -> Any:
+    """The environment with ``values`` set (None: unset), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def shared_vs_cpu_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """The tiny preset, DiLoCo and NoLoCo, on the CPU and on the shared device, the same
+    config: bytes and operations must be equal; the losses differ by float order only (on
+    the CPU alone: not at all, the other side being staged through host buffers)."""
+    out: dict[str, Any] = {}
+    for method in ("diloco", "noloco"):
+        sides = {}
+        for side in ("cpu", "device"):
+            run = tmp / f"vs_{method}_{side}"
+            # without a GPU the other side is the CPU with its traffic staged through host
+            # buffers: the GPU path's code, which must then equal the plain run bit for bit
+            staged = side == "device" and a.device == "cpu"
+            with env(NOLOCO_HOST_STAGING="1" if staged else None):
+                _, s, wall = run_noloco(shared_argv(a, run, "tiny", "cpu" if side == "cpu"
+                                                    else a.device, "--method", method))
+            sides[side] = {**shared_facts(s, wall), "forced_host_staging": staged}
+            shutil.rmtree(run, ignore_errors=True)
+        c, g = sides["cpu"], sides["device"]
+        same_bytes = c["bytes_sent_per_replica"] == g["bytes_sent_per_replica"]
+        if not same_bytes or c["ops"] != g["ops"]:
+            raise RuntimeError(f"{method}: bytes or operations differ between cpu and "
+                               f"{a.device}: {c['bytes_sent_per_replica']} {c['ops']} against "
+                               f"{g['bytes_sent_per_replica']} {g['ops']}")
+        out[method] = {"cpu": c, "device": g, "bytes_equal": same_bytes,
+                       "val_loss_relative_difference":
+                       abs(g["final_val_loss"] - c["final_val_loss"]) / c["final_val_loss"]}
+        if g["host_staged"] is not True or c["host_staged"] is not False:
+            raise RuntimeError(f"{method}: host staging {c['host_staged']} on the CPU side, "
+                               f"{g['host_staged']} on the other (expected off, on)")
+        if a.device == "cpu" and g["final_val_loss"] != c["final_val_loss"]:
+            raise RuntimeError(f"{method}: staged through host buffers on the CPU, the loss "
+                               f"moved: {c['final_val_loss']} against {g['final_val_loss']}")
+    return out
+
+
+def shared_elastic_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """Elastic NoLoCo, the replicas sharing the device; one is killed and respawned: it must
+    rejoin from a donor (its state sent through host buffers) and every replica finish."""
+    run = tmp / "shared_elastic"
+    kill_at = a.shared_steps // 3
+    # every step paced (0.25 s at least): the others are still training when the killed
+    # replica's new process has started, so it has someone to join
+    faults = [f"kill:1@{kill_at}"] + [f"pace:{r}:0.25" for r in range(a.shared_replicas)]
+    argv = shared_argv(a, run, a.preset, a.device, "--method", "noloco", "--elastic",
+                       "--inject-fault", ",".join(faults), "--respawn", "1")
+    with env(NOLOCO_HOST_STAGING="1" if a.device == "cpu" else None):  # the GPU's path
+        _, s, wall = run_noloco(argv)
+    finished = s.get("replicas_finished")
+    joined = [j for j in s.get("joins", []) if j.get("kind") == "joined"]
+    if finished != list(range(a.shared_replicas)) or not joined or not s.get("host_staged"):
+        raise RuntimeError(f"elastic: finished {finished}, joins {s.get('joins')}")
+    shutil.rmtree(run, ignore_errors=True)
+    return {"killed": f"replica 1 at step {kill_at}", "replicas_finished": finished,
+            "peak_gpu_memory_bytes": s.get("peak_gpu_memory_bytes"),
+            "join": joined[0], **shared_facts(s, wall)}
 
 
 # ---- step: generation -----------------------------------------------------------------------
@@ -554,6 +685,24 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                          f"{s[1]['device']} {s[1]['tokens_per_second']:,.1f} tok/s | ratio "
                          f"{v['ratio']:.1f} (target {GENERATE_TARGET:g}) | same tokens "
                          f"{v['same_sampled_tokens']}")
+        elif name == "shared":
+            for run, x in v["runs"].items():
+                g = x.get("gpu") or {}
+                mem = (f", peak {g['peak_memory_bytes'] / 2**30:.1f} GiB (estimate "
+                       f"{(g.get('estimated_bytes_per_worker') or 0) / 2**30:.1f})" if g else "")
+                lines.append(f"shared/{run:<13} {v['replicas']} replicas on {x['device']}: loss "
+                             f"{x['final_val_loss']:.4f}, {x['tokens_per_second']:,.0f} tok/s, "
+                             f"{x['process_wall_seconds']:.1f} s{mem}")
+        elif name == "shared_vs_cpu":
+            for method, x in v.items():
+                lines.append(f"vs_cpu/{method:<13} bytes equal {x['bytes_equal']}, loss "
+                             f"{x['cpu']['final_val_loss']:.5f} cpu vs "
+                             f"{x['device']['final_val_loss']:.5f} (rel. diff "
+                             f"{x['val_loss_relative_difference']:.1e})")
+        elif name == "shared_elastic":
+            lines.append(f"{name:<14} {v['killed']} killed, rejoined at step "
+                         f"{v['join'].get('step')}; finished {v['replicas_finished']}, loss "
+                         f"{v['final_val_loss']:.4f}")
         elif name == "codecs":
             for inp, res in v["inputs"].items():
                 parts = []
@@ -629,7 +778,10 @@ def main(argv: list[str] | None = None) -> int:
         steps.append(("train_compile", lambda: train_step(a, tmp, fast, True)))
     steps += [("checkpoint", checkpoint),
               ("generate", lambda: generate_step(a, tmp, model_run[0])),
-              ("codecs", lambda: codecs_step(a))]
+              ("codecs", lambda: codecs_step(a)),
+              ("shared", lambda: shared_step(a, tmp)),
+              ("shared_vs_cpu", lambda: shared_vs_cpu_step(a, tmp)),
+              ("shared_elastic", lambda: shared_elastic_step(a, tmp))]
     if a.only:
         steps = [(n, fn) for n, fn in steps if n in a.only.split(",")]
     try:

@@ -259,15 +259,40 @@ def _elastic_steps(cfg: Config) -> list[int]:
     return sorted((s for s in newest.values() if s is not None), reverse=True)
 
 
+def _local_workers(cfg: Config) -> int:
+    """The workers this machine starts (its replicas' stages)."""
+    from noloco.config import local_replicas
+
+    return len(local_replicas(cfg.train.replica_ids, cfg.method.replicas)) * cfg.method.stages
+
+
+def _check_gpus(cfg: Config, workers: int, vocab_size: int) -> None:
+    """On GPUs: refuse workers that cannot fit on the GPUs they share (noloco.footprint),
+    then say where the workers train."""
+    from noloco import distributed, footprint
+
+    if not distributed.uses_cuda(cfg.train.device):
+        return
+    shape = footprint.model_shape(cfg, vocab_size)
+    if shape is not None:
+        import torch
+
+        fp = footprint.estimate(cfg.resolved(), *shape)
+        footprint.check_fits(fp, distributed.workers_per_gpu(workers),
+                             distributed.gpu_memory_bytes(0), torch.cuda.get_device_name(0))
+    print(distributed.placement_line(cfg.train.device, workers), file=sys.stderr, flush=True)
+
+
 def _preflight(cfg: Config, resuming: bool) -> Any:
     """Catch bad input before any worker starts or anything is written; build the machine's
     token file on the way (the workers map it). Returns how the corpus was had."""
+    from noloco import distributed
     from noloco.data import ShardedReader, make_tokenizer
-    from noloco.distributed import check_device
     from noloco.rundir import RunDir
     from noloco.token_cache import cached_corpus
 
-    check_device(cfg.train.device, cfg.world_size)
+    workers = _local_workers(cfg)
+    distributed.check_device(cfg.train.device, workers)
     RunDir(Path(cfg.train.out)).check(overwrite=cfg.train.overwrite or resuming)
     src = cfg.data.data
     if src != "builtin" and not src.startswith("hf:"):
@@ -275,6 +300,7 @@ def _preflight(cfg: Config, resuming: bool) -> Any:
         if not p.exists():
             raise DataError(f"data path not found: {src}")
     tok = make_tokenizer(cfg.data.tokenizer)
+    _check_gpus(cfg, workers, tok.vocab_size)
     corpus, load = cached_corpus(src, tok, cfg.data.seq_len, cfg.data.max_tokens,
                                  allow_binary=cfg.data.allow_binary)
     ShardedReader(corpus.train, cfg.data.seq_len, cfg.data.batch_size, 0, cfg.method.replicas)

@@ -87,23 +87,68 @@ def cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpu_memory_bytes(index: int = 0) -> int:
+    """What GPU ``index`` holds in all (its total memory)."""
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+HOST_STAGING_ENV = "NOLOCO_HOST_STAGING"
+"""``1``: stage every communicator's traffic through host buffers even on CPU (the same code
+as GPU workers that share a GPU: how the tests check it on a machine without one)"""
+
+
 def check_device(spec: str, local_world: int) -> None:
-    """ConfigError if ``--device cuda`` cannot be honoured (one GPU per local worker)."""
+    """ConfigError if ``--device cuda`` cannot be honoured (no GPU at all). Workers may share
+    GPUs: with fewer GPUs than local workers they are placed round-robin."""
+    if spec == "cuda" and cuda_devices() == 0:
+        raise ConfigError(f"--device cuda: no GPU is visible to this machine's "
+                          f"{plural(local_world, 'worker')} (CUDA_VISIBLE_DEVICES, drivers); "
+                          f"pass --device cpu")
+
+
+def uses_cuda(spec: str) -> bool:
+    """Whether workers of ``--device spec`` train on GPUs (``auto``: whenever one exists)."""
+    return spec == "cuda" or (spec == "auto" and cuda_devices() > 0)
+
+
+def workers_per_gpu(local_world: int) -> int:
+    """The most workers any GPU serves, placed round-robin."""
     n = cuda_devices()
-    if spec == "cuda" and n < local_world:
-        raise ConfigError(f"--device cuda needs one GPU per local worker: "
-                          f"{plural(local_world, 'worker')}, {plural(n, 'GPU')} visible")
+    return -(-local_world // n) if n else 0
 
 
 def pick_device(spec: str, local_rank: int, local_world: int = 1) -> torch.device:
-    """GPU when asked for (or ``auto`` and there are enough: one GPU per local worker, as
-    NCCL requires), else CPU."""
+    """The GPU ``local_rank mod GPUs`` when GPUs are used (:func:`uses_cuda`), else the CPU."""
     check_device(spec, local_world)
-    n = cuda_devices()
-    if spec == "cuda" or (spec == "auto" and n >= local_world and n > 0):
+    if uses_cuda(spec):
+        n = cuda_devices()
         torch.cuda.set_device(local_rank % n)
         return torch.device("cuda", local_rank % n)
     return torch.device("cpu")
+
+
+def host_staged(device: torch.device, local_world: int) -> bool:
+    """Whether this worker's traffic goes through gloo on host copies
+    (:mod:`noloco.staging`): on a GPU that other local workers share (NCCL serves one rank
+    per device), or when :data:`HOST_STAGING_ENV` asks for it."""
+    if os.environ.get(HOST_STAGING_ENV) == "1":
+        return True
+    return device.type == "cuda" and cuda_devices() < local_world
+
+
+def placement_line(spec: str, local_world: int, stages: int = 1) -> str | None:
+    """The start-up line that says where the workers train when GPUs are used, else None."""
+    if not uses_cuda(spec):
+        return None
+    n = cuda_devices()
+    used = min(n, local_world)
+    if n >= local_world:
+        how = "one GPU each; NCCL between them"
+    else:
+        how = (f"up to {workers_per_gpu(local_world)} share each; gloo between them, "
+               f"staged through pinned host memory")
+    return (f"noloco: {plural(local_world, 'worker')} on {plural(used, 'GPU')} "
+            f"({torch.cuda.get_device_name(0)}: {how})")
 
 
 # ---- process group and store -----------------------------------------------------------------
@@ -134,7 +179,8 @@ class DistContext:
             dist.destroy_process_group()
 
 
-def init_distributed(lay: Layout, timeout_s: float, device: torch.device) -> DistContext:
+def init_distributed(lay: Layout, timeout_s: float, device: torch.device,
+                     staged: bool = False) -> DistContext:
     """Join the process group of this attempt.
 
     The store is torchrun's (or our launcher's) agent store when the environment says so,
@@ -162,17 +208,29 @@ def init_distributed(lay: Layout, timeout_s: float, device: torch.device) -> Dis
     else:
         base = dist.TCPStore(host, port, lay.world, False, timeout)
     attempt = attempt_number(base, lay.rank)
-    # On GPUs the methods' tensors go through NCCL; the small CPU tensors of metrics and
-    # start-up checks through gloo, in the same process group (untested: no GPU here).
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # On GPUs each worker owns, the methods' tensors go through NCCL; the small CPU tensors of
+    # metrics and start-up checks through gloo, in the same process group. Workers that share
+    # a GPU use gloo alone, on host copies (noloco.staging).
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" and not staged else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore(f"noloco/attempt-{attempt}", base),
                             rank=lay.rank, world_size=lay.world, timeout=timeout)
     return DistContext(store=base, attempt=attempt, owns_group=True)
 
 
-def make_comms(cfg: Config, lay: Layout) -> tuple[Communicator, Communicator]:
+def make_comms(cfg: Config, lay: Layout, staged_on: torch.device | None = None
+               ) -> tuple[Communicator, Communicator]:
+    """(this stage's communicator, the world's); both staged through host memory on
+    ``staged_on`` when given (:func:`host_staged`)."""
     if lay.world == 1:
         return NullCommunicator(), NullCommunicator()
+    mine, world = _make_comms(cfg, lay)
+    if staged_on is None:
+        return mine, world
+    from noloco.staging import HostStaged
+    return HostStaged(mine, staged_on), HostStaged(world, staged_on)
+
+
+def _make_comms(cfg: Config, lay: Layout) -> tuple[Communicator, Communicator]:
     timeout = cfg.method.comm_timeout
     world = TorchCommunicator(list(range(lay.world)), group=dist.group.WORLD)
     # Every rank creates every stage group in the same order (new_group is world-collective).

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from noloco.comm import Communicator, flatten
+from noloco.staging import HostStaged
 
 
 def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: float | None,
@@ -366,6 +367,24 @@ class WandB:
         self.run.finish()
 
 
+def gpu_summary(trainer: Any) -> dict[str, Any]:
+    """Where the workers trained and what they held on the GPU (collective)."""
+    from noloco import distributed, footprint
+
+    lay = trainer.lay
+    peak = gather_scalars(trainer.world, lay, [torch.cuda.max_memory_allocated(trainer.device)],
+                          "max")[0]
+    shape = (footprint.model_shape(trainer.cfg, trainer.args.vocab_size)
+             if trainer.args is not None else None)
+    est = footprint.estimate(trainer.cfg, *shape).total if shape is not None else None
+    return {"name": torch.cuda.get_device_name(trainer.device),
+            "gpus": distributed.cuda_devices(),
+            "workers_per_gpu": distributed.workers_per_gpu(lay.local_world),
+            "host_staged": distributed.host_staged(trainer.device, lay.local_world),
+            "peak_memory_bytes": int(peak),
+            "estimated_bytes_per_worker": est}
+
+
 def _peak_rss_bytes() -> float:
     import resource
     import sys
@@ -469,12 +488,15 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         # The largest resident set of any worker over the run (Linux reports kB).
         "peak_rss_bytes": int(gather_scalars(trainer.world, lay, [_peak_rss_bytes()], "max")[0]),
         "device": str(trainer.device),
+        "host_staged": isinstance(trainer.comm, HostStaged),
         "torch": torch.__version__,
         "resumed_from_step": trainer.resumed_from,
         "attempt": trainer.ctx.attempt,
         "model_dir": ckpt_mod.MODEL_DIR,
         "startup": startup_summary(trainer),
     }
+    if trainer.device.type == "cuda":
+        summary["gpu"] = gpu_summary(trainer)
     if lay.stages > 1:
         summary["param_bytes"] = sum(gather_scalars(trainer.world, lay, [trainer.param_bytes],
                                                     "stage_sum"))

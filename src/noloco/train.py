@@ -24,7 +24,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco import data as data_mod
 from noloco.comm import Communicator, flatten, unflatten_into
 from noloco.config import Config, ConfigError, local_replicas
-from noloco.distributed import DistContext, Layout, make_comms
+from noloco.distributed import DistContext, Layout, host_staged, make_comms
 from noloco.errors import Interrupted
 from noloco.faults import FaultInjector, parse_faults
 from noloco.methods import build_method
@@ -240,7 +240,8 @@ class Trainer:
 
     def make_comms(self) -> tuple[Communicator, Communicator]:
         """(the method's communicator, the metrics communicator over all workers)"""
-        return make_comms(self.cfg, self.lay)
+        staged = host_staged(self.device, self.lay.local_world)
+        return make_comms(self.cfg, self.lay, self.device if staged else None)
 
     def pipeline_layout(self) -> Layout:
         """The layout the pipeline runs in (an elastic replica's stages are a world of their

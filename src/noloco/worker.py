@@ -27,7 +27,13 @@ import torch
 from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError, Communicator
 from noloco.config import Config, ConfigError
-from noloco.distributed import Layout, init_distributed, limit_threads, pick_device
+from noloco.distributed import (
+    Layout,
+    host_staged,
+    init_distributed,
+    limit_threads,
+    pick_device,
+)
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, Interrupted, StoreLost, Superseded
 from noloco.exiting import exit_now
 from noloco.rundir import RunDir, os_error_line
@@ -75,7 +81,7 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
     device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)), lay.local_world)
-    ctx = init_distributed(lay, m.comm_timeout, device)
+    ctx = init_distributed(lay, m.comm_timeout, device, host_staged(device, lay.local_world))
     status.store, status.attempt = ctx.store, ctx.attempt
     rundir = RunDir(Path(t.out))
     trainer = None

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from noloco import checkpoint as ckpt_mod
 from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
-from noloco.distributed import DistContext, Layout, limit_threads, pick_device
+from noloco.distributed import DistContext, Layout, host_staged, limit_threads, pick_device
 from noloco.elastic import auth
 from noloco.elastic.communicator import ElasticCommunicator
 from noloco.elastic.deadline import (
@@ -46,6 +46,7 @@ from noloco.elastic.membership import Membership
 from noloco.integrity import Sealer, payload_key
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
+from noloco.staging import HostStaged
 from noloco.train import AVERAGED_METHODS, Trainer
 
 
@@ -110,6 +111,10 @@ class ElasticTrainer(Joining, Trainer):
         secret = auth.current_secret()
         if secret is not None and self.cfg.method.payload_mac:
             comm.sealer = Sealer(payload_key(secret))
+        # Elastic traffic is gloo's (it crosses the internet): a GPU's tensors go through
+        # host buffers (noloco.staging).
+        if self.device.type == "cuda" or host_staged(self.device, self.lay.local_world):
+            return HostStaged(comm, self.device), NullCommunicator()
         return comm, NullCommunicator()
 
     # ---- evaluation: this replica only -----------------------------------------------------
@@ -182,6 +187,9 @@ class ElasticTrainer(Joining, Trainer):
             "served": self.served, "resumed_from_step": self.resumed_from,
             "threads_per_worker": self.threads, "params": self.n_params_total,
             "param_bytes": self.param_bytes, "device": str(self.device),
+            "host_staged": isinstance(self.comm, HostStaged),
+            "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(self.device)
+                                      if self.device.type == "cuda" else None),
             "tokens_per_step": self.tokens_per_step,
         }
         write_json_atomic(replica_summary(self.rundir.path, lay.replica, lay.stage, lay.stages),
@@ -374,7 +382,11 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         any_s = next(iter(finished.values()))
         summary.update(any_s.get("settings", {}))
         summary.update(params=any_s["params"], param_bytes=any_s["param_bytes"],
-                       device=any_s["device"], threads_per_worker=any_s["threads_per_worker"])
+                       device=any_s["device"], threads_per_worker=any_s["threads_per_worker"],
+                       host_staged=any_s.get("host_staged"))
+        peaks = [s.get("peak_gpu_memory_bytes") for s in finished.values()]
+        if any(p is not None for p in peaks):
+            summary["peak_gpu_memory_bytes"] = max(p for p in peaks if p is not None)
         train_s = sum(s["train_seconds"] for s in finished.values())
         summary["compute_utilisation"] = (sum(s["compute_seconds"] for s in finished.values())
                                           / train_s if train_s > 0 else None)

@@ -1,0 +1,205 @@
+"""Host staging: a communicator's traffic moved through host memory, for a backend that reads
+only host memory.
+
+Workers that share a GPU cannot use NCCL (it refuses two ranks on one device), and gloo
+cannot send a CUDA tensor point to point (the process dies in ``writev``). An elastic run's
+traffic is gloo's always (it crosses the internet). :class:`HostStaged` wraps any
+:class:`~noloco.comm.Communicator` so that what the inner one sees is host memory:
+
+- a payload is copied device → host into a pinned buffer, on a side stream that first waits
+  for the work queued so far (the copy reads what the training stream wrote), and the host
+  waits for that copy only — the host must hold the bytes before gloo may read them;
+- the inner communicator runs its operation, with its own accounting, on the host copy
+  (bytes are counted on what it sends, so they are the unstaged run's to the byte);
+- when the operation is waited for, its result is copied back host → device on the caller's
+  stream (asynchronous: pinned memory), into the caller's tensor or receive buffers;
+- buffers are pooled by shape and dtype: one is in use by at most one operation in flight,
+  and goes back to the pool with the event of its last copy, which its next user waits for.
+
+The arithmetic is the inner communicator's, on the same values: a staged run equals an
+unstaged one bit for bit on CPU (the same code runs with host tensors on both sides, which
+is how the tests check it without a GPU), and on a GPU it differs only by the reduction
+running on the host instead of the device.
+
+Everything that is not an operation (the counters, an elastic communicator's state and
+protocol) is the inner communicator's: attribute reads and writes pass through.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from noloco import quant
+from noloco.comm import SKIPPED, Communicator, Pending
+
+
+class _Pool:
+    """Host buffers by (shape, dtype); pinned when the device is a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[tuple[torch.Tensor, Any]]] = (
+            defaultdict(list))
+        self.side = torch.cuda.Stream(device) if self.cuda else None
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        free = self._free[(tuple(shape), dtype)]
+        if free:
+            buf, event = free.pop()
+            if event is not None:
+                event.synchronize()  # its last copy back to the device read it
+            return buf
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.cuda)
+
+    def give(self, buf: torch.Tensor, event: Any = None) -> None:
+        self._free[(tuple(buf.shape), buf.dtype)].append((buf, event))
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (complete when this returns)."""
+        buf = self.take(t.shape, t.dtype)
+        if self.cuda and t.device.type == "cuda":
+            assert self.side is not None
+            self.side.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(self.side):
+                buf.copy_(t, non_blocking=True)
+                t.record_stream(self.side)
+            self.side.synchronize()
+        else:
+            buf.copy_(t)
+        return buf
+
+    def back(self, bufs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor]) -> None:
+        """Copy each host buffer into its device tensor, then return the buffers."""
+        for b, d in zip(bufs, dsts, strict=True):
+            d.copy_(b, non_blocking=self.cuda)
+        event = None
+        if self.cuda and bufs:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        for b in bufs:
+            self.give(b, event)
+
+
+class _Staged(Pending):
+    """The inner operation in flight; ``after`` turns its host result into the caller's."""
+
+    def __init__(self, comm: Communicator, inner: Pending, after: Callable[[Any], Any]) -> None:
+        super().__init__(comm, [])
+        self._inner, self._after = inner, after
+
+    def is_completed(self) -> bool:
+        return self._done or self._inner.is_completed()
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._result = self._after(self._inner.wait())
+            self._done = True
+        return self._result
+
+
+class HostStaged(Communicator):
+    """``inner``'s operations on host copies of ``device`` tensors (module docstring)."""
+
+    def __init__(self, inner: Communicator, device: torch.device) -> None:
+        # No Communicator.__init__: the counters are the inner communicator's.
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_pool", _Pool(device))
+
+    # ---- everything but the operations is the inner communicator's ---------------------------
+    def __getattr__(self, name: str) -> Any:
+        return getattr(object.__getattribute__(self, "_inner"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._inner, name, value)
+
+    @property
+    def inner(self) -> Communicator:
+        return self._inner
+
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self._inner.rank
+
+    @property
+    def size(self) -> int:  # type: ignore[override]
+        return self._inner.size
+
+    @property
+    def may_skip(self) -> bool:  # type: ignore[override]
+        return self._inner.may_skip
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self._inner.load_state_dict(sd)
+
+    def members(self) -> list[int] | None:
+        return self._inner.members()
+
+    # ---- the operations, staged ---------------------------------------------------------------
+    def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
+        host = self._pool.to_host(tensor)
+        return self._in_place(tensor, host, self._inner.all_reduce_mean_async(host))
+
+    def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
+                                        block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
+        host = self._pool.to_host(tensor)
+        try:
+            inner = self._inner.all_reduce_mean_quantized_async(host, fmt, block_size)
+        except BaseException:  # a NaN refused at the call: nothing in flight
+            self._pool.give(host)
+            raise
+        return self._in_place(tensor, host, inner)
+
+    def _in_place(self, tensor: torch.Tensor, host: torch.Tensor, inner: Pending) -> Pending:
+        def after(result: Any) -> Any:
+            if isinstance(result, str) and result == SKIPPED:  # nobody stepped: no trace
+                self._pool.give(host)
+            else:
+                self._pool.back([host], [tensor])
+            return result
+
+        return _Staged(self, inner, after)
+
+    def all_gather_async(self, tensor: torch.Tensor) -> Pending:
+        host = self._pool.to_host(tensor)
+        device = tensor.device
+
+        def after(result: Any) -> Any:
+            self._pool.give(host)
+            if isinstance(result, str) and result == SKIPPED:
+                return result
+            return [r.to(device, non_blocking=True) for r in result]
+
+        return _Staged(self, self._inner.all_gather_async(host), after)
+
+    def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
+                       out: Sequence[torch.Tensor] | None = None) -> Pending:
+        host = self._pool.to_host(tensor)
+        recv = [self._pool.take(tensor.shape, tensor.dtype) for _ in peers]
+        dsts = list(out) if out is not None else [torch.empty_like(tensor) for _ in peers]
+        try:
+            inner = self._inner.exchange_async(host, peers, recv)
+        except BaseException:
+            for b in (host, *recv):
+                self._pool.give(b)
+            raise
+
+        def after(result: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+            got = [i for i, r in enumerate(result) if r is not None]  # None: absent peer
+            self._pool.back([recv[i] for i in got], [dsts[i] for i in got])
+            for i in set(range(len(recv))) - set(got):
+                self._pool.give(recv[i])
+            self._pool.give(host)
+            return [dsts[i] if r is not None else None for i, r in enumerate(result)]
+
+        return _Staged(self, inner, after)
