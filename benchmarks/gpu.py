@@ -719,29 +719,54 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
 
 
 def plot(rec: dict[str, Any], path: Path) -> None:
+    """One panel for each kind of step the record holds: training throughput, generation,
+    and the shared device (each run's measured peak against its estimate)."""
     plt = common.pyplot()
     if plt is None:
         return
-    train = {k: v["result"] for k, v in rec["results"].items()
-             if k.startswith("train_") and v["ok"]}
-    gen = rec["results"].get("generate", {})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    names = list(train)
-    xs = range(len(names))
-    axes[0].bar([x - 0.2 for x in xs], [train[n]["bare"]["tokens_per_second"] for n in names],
-                0.4, label="bare PyTorch")
-    axes[0].bar([x + 0.2 for x in xs], [train[n]["noloco"]["tokens_per_second"] for n in names],
-                0.4, label="noloco single")
-    axes[0].set_xticks(list(xs), [n.removeprefix("train_") for n in names])
-    axes[0].set_ylabel("tokens / second")
-    axes[0].set_title(f"training, {rec['config']['preset']}, {rec['device'].get('gpu', 'cpu')}")
-    axes[0].legend()
-    if gen.get("ok"):
-        s = gen["result"]["sides"]
-        axes[1].bar([f"{x['device']} ({i})" for i, x in enumerate(s)],
-                    [x["tokens_per_second"] for x in s])
-        axes[1].set_title(f"generate: {gen['result']['ratio']:.1f}x")
-        axes[1].set_ylabel("tokens / second")
+    res = rec["results"]
+    train = {k: v["result"] for k, v in res.items() if k.startswith("train_") and v["ok"]}
+    gen = res.get("generate", {})
+    shared = res.get("shared", {})
+    panels = [p for p, present in (("train", train), ("generate", gen.get("ok")),
+                                   ("shared", shared.get("ok"))) if present]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels, strict=True):
+        if panel == "train":
+            names = list(train)
+            xs = range(len(names))
+            ax.bar([x - 0.2 for x in xs], [train[n]["bare"]["tokens_per_second"] for n in names],
+                   0.4, label="bare PyTorch")
+            ax.bar([x + 0.2 for x in xs],
+                   [train[n]["noloco"]["tokens_per_second"] for n in names], 0.4,
+                   label="noloco single")
+            ax.set_xticks(list(xs), [n.removeprefix("train_") for n in names])
+            ax.set_ylabel("tokens / second")
+            ax.set_title(f"training, {rec['config']['preset']}, "
+                         f"{rec['device'].get('gpu', 'cpu')}")
+            ax.legend()
+        elif panel == "generate":
+            s = gen["result"]["sides"]
+            ax.bar([f"{x['device']} ({i})" for i, x in enumerate(s)],
+                   [x["tokens_per_second"] for x in s])
+            ax.set_title(f"generate: {gen['result']['ratio']:.1f}x")
+            ax.set_ylabel("tokens / second")
+        else:
+            runs = shared["result"]["runs"]
+            names = [n for n in runs if runs[n].get("gpu")]
+            xs = range(len(names))
+            ax.bar([x - 0.2 for x in xs],
+                   [runs[n]["gpu"]["peak_memory_bytes"] / 2**30 for n in names], 0.4,
+                   label="measured peak")
+            ax.bar([x + 0.2 for x in xs],
+                   [(runs[n]["gpu"]["estimated_bytes_per_worker"] or 0) / 2**30 for n in names],
+                   0.4, label="estimate")
+            ax.set_xticks(list(xs), names, rotation=30, ha="right")
+            ax.set_ylabel("GiB per worker")
+            ax.set_title(f"{shared['result']['replicas']} replicas sharing the device")
+            ax.legend()
     common.save_figure(fig, path)
 
 

@@ -294,9 +294,50 @@ def test_math_hash_ignores_only_the_resumable_settings():
 def test_schedule_and_checkpoint_defaults_resolve():
     cfg = Config.from_dict({"method": {"method": "noloco", "replicas": 2}, "train": {"steps": 7}})
     r = cfg.resolved()
-    assert r.optim.schedule_steps == 7 and r.train.checkpoint_every == 50
+    assert r.optim.schedule_steps == 7 and r.train.checkpoint_every == "50"
     cfg.method.method, cfg.method.replicas = "single", 1
-    assert cfg.resolved().train.checkpoint_every == 100
+    assert cfg.resolved().train.checkpoint_every == "100"
+    cfg.model.preset = "small"  # a save costs seconds: a cadence in time
+    assert cfg.resolved().train.checkpoint_every == "10min"
+
+
+@pytest.mark.parametrize("spec,cadence", [
+    ("50", (50, None)), (50, (50, None)), ("0", (0, None)), ("90s", (0, 90.0)),
+    ("10min", (0, 600.0)), ("1.5h", (0, 5400.0)), (" 2 m", (0, 120.0)),
+    ("-1", None), ("10 days", None), ("0min", None), ("1.5", None), ("soon", None)])
+def test_checkpoint_every_takes_steps_or_a_duration(spec, cadence):
+    from noloco.config import checkpoint_cadence
+
+    if cadence is None:
+        with pytest.raises(ConfigError, match="--checkpoint-every takes inner steps"):
+            checkpoint_cadence(spec)
+    else:
+        assert checkpoint_cadence(spec) == cadence
+
+
+def test_a_time_cadence_is_planned_in_agreed_outer_steps(tmp_path):
+    """Two workers of different speeds plan the same steps (the slower one's pace), at
+    multiples of H, and the plan follows the pace of the last stretch."""
+    agreed = []
+
+    def agree(x):  # the other worker is 1.5x slower at every plan
+        agreed.append(x)
+        return x * 1.5
+
+    c = C.Checkpointer(tmp_path, 0, 2, "h", 0, every_seconds=30.0, align=4)
+    assert c.enabled and not c.due(0)
+    c.start(2, now=0.0)  # resumed at step 2: the probe plan at step 24 (22 on, up to H)
+    for step in range(3, 24):
+        c.plan(step, now=0.1 * step, agree=agree)
+    assert c.next_due is None and not agreed
+    c.plan(24, now=2.2, agree=agree)  # 0.1 s a step here, 0.15 s agreed: 200 steps
+    assert agreed == [pytest.approx(0.1)] and c.next_due == 224 and c.due(224)
+    assert not any(c.due(s) for s in range(25, 224))
+    c.plan(224, now=2.2 + 200 * 0.5, agree=agree)  # slower now: 0.75 s a step: 40 steps
+    assert c.next_due == 264
+    c.plan(264, now=1e6, agree=agree)  # slower than the cadence: still one outer step on
+    assert c.next_due == 268
+    assert not C.Checkpointer(tmp_path, 0, 1, "h", 0).enabled
 
 
 @pytest.mark.parametrize("spec,ok", [

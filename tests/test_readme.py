@@ -5,7 +5,8 @@ of ``a && b`` taken one by one); the TOML example is written where `--config` lo
 Each training command gets flags appended that shorten it (few steps, small batches: the last
 value of a flag wins) — except resumes, which may only change --steps; `generate` samples 5
 tokens. The two-machine torchrun
-recipe needs two machines and is not run here.
+recipe needs two machines and is not run here; the GPU example is a ``console`` block (it
+needs a GPU and the ``small`` preset).
 """
 
 from __future__ import annotations

@@ -151,3 +151,27 @@ def test_a_corrupt_newest_checkpoint_is_reported_and_the_previous_one_used(
     assert "checkpoint step-00000010: rank-00000.safetensors is corrupt" in err
     assert "resuming from checkpoints/step-00000005 (step 5)" in err
     assert_same_run(straight, split)
+
+
+@pytest.mark.slow("worker processes")
+@pytest.mark.timeout(240)
+def test_a_checkpoint_cadence_in_time_saves_agreed_steps_and_resumes(tmp_path, corpus, capfd):
+    """``--checkpoint-every 1s`` with one replica twice as slow as the other: both save the
+    same steps, at the slower one's pace (the outer all-reduce makes the faster one wait, so
+    both measure it; the agreement over differing measurements is checked in
+    test_checkpoint), at multiples of H (probe at step 20, 0.1 s a step: about every 10
+    steps), and a resume from the last of them continues."""
+    out = tmp_path / "run"
+    assert train(out, corpus, "--method", "diloco", "--replicas", "2", "--sync-every", "2",
+                 "--steps", "44", "--eval-every", "44", "--checkpoint-every", "1s",
+                 "--keep-checkpoints", "10", "--inject-fault", "pace:0:0.05,pace:1:0.1") == 0
+    steps = C.complete_steps(out / "checkpoints", 2)
+    s = summary(out)
+    assert s["checkpoint_every_seconds"] == 1.0 and s["checkpoint_saves"] == len(steps)
+    assert steps[0] == 44 and all(x % 2 == 0 for x in steps), steps
+    between = sorted(steps)[:-1]  # the end's save, and those the plans chose
+    assert 2 <= len(between) <= 4 and between[0] > 20, steps
+    gaps = [b - a for a, b in zip(between, between[1:], strict=False)]
+    assert all(6 <= g <= 14 for g in gaps), steps  # ~10 steps of 0.1 s (not 20 of 0.05 s)
+    assert main(["train", "--resume", str(out), "--steps", "48", "--log-every", "0"]) == 0
+    assert "(step 44)" in capfd.readouterr().err

@@ -135,9 +135,9 @@ def test_the_estimate_follows_the_run(monkeypatch, capsys) -> None:
 
     base = fp()
     n = footprint.model_shape(Config().resolved(), 256)[0]
-    assert base.weights == base.gradients == 4 * n and base.optimizer == 8 * n
+    assert base.weights == base.gradients == 4 * n and base.optimizer == 16 * n
     assert fp(train={"precision": "bf16"}).activations < base.activations
-    assert fp(optim={"inner_optimizer": "muon"}).optimizer == 4 * n
+    assert fp(optim={"inner_optimizer": "muon"}).optimizer == 12 * n
     assert fp(method={"method": "noloco", "replicas": 4}).outer > base.outer
     assert fp(method={"method": "single"}).outer == 0
     two = fp(method={"method": "diloco", "replicas": 4, "stages": 2})

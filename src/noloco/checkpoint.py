@@ -463,16 +463,34 @@ def agree_on_step(root: Path, rank: int, config_hash: str,
 # ---- the background writer ------------------------------------------------------------------
 
 class Checkpointer:
-    """Saves this worker's checkpoints every ``every`` inner steps (0: never).
+    """Saves this worker's checkpoints every ``every`` inner steps (0: never), or about every
+    ``every_seconds`` of the loop.
 
     ``store`` (a c10d Store shared by the workers, optional for one worker) carries the
     "finished" announcements that make pruning safe; see the module docstring.
+
+    A cadence in time must still name the same steps on every worker (a checkpoint is one
+    step, everywhere). So it is planned in steps: at a planning step every worker measures
+    its seconds per step since the last plan, the workers agree on the slowest (``agree``:
+    a max over them, collective), and the next save is the step that many seconds ahead,
+    rounded to a multiple of ``align`` (the outer step: a save between outer steps holds a
+    sync in flight) and at least one ``align`` away. Each save is also the next planning
+    step, so the cadence follows the run's speed. The first plan comes after
+    :data:`PROBE_STEPS` steps (rounded up to ``align``) and saves nothing.
     """
 
+    PROBE_STEPS = 20
+
     def __init__(self, root: Path, rank: int, world: int, config_hash: str, every: int,
-                 keep: int = 2, store: Any = None) -> None:
+                 keep: int = 2, store: Any = None, every_seconds: float | None = None,
+                 align: int = 1) -> None:
         self.root, self.rank, self.world = Path(root), rank, world
         self.config_hash, self.every, self.keep = config_hash, every, max(1, keep)
+        self.every_seconds, self.align = every_seconds, max(1, align)
+        self.next_due: int | None = None
+        """time cadence: the step of the next save (None: not planned yet)"""
+        self._plan_at: int | None = None
+        self._plan_from: tuple[int, float] = (0, 0.0)
         self.store = store
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
@@ -491,8 +509,34 @@ class Checkpointer:
         self.final_wait_seconds = 0.0
         """seconds the end of the run waited for the last write (once per run)"""
 
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.every_seconds is not None
+
     def due(self, step: int) -> bool:
+        if self.every_seconds is not None:
+            return step == self.next_due
         return self.every > 0 and step % self.every == 0
+
+    def start(self, step: int, now: float) -> None:
+        """Time cadence: the loop starts (or resumes) at ``step``; the first plan is due
+        :data:`PROBE_STEPS` steps on, at a multiple of ``align``."""
+        if self.every_seconds is not None:
+            first = step + self.PROBE_STEPS
+            self._plan_at = -(-first // self.align) * self.align
+            self._plan_from = (step, now)
+
+    def plan(self, step: int, now: float, agree: Callable[[float], float]) -> None:
+        """At the planning step (every worker alike): fix the next save (class docstring).
+        ``agree(x)`` returns the max of every worker's ``x``."""
+        if self.every_seconds is None or step != self._plan_at:
+            return
+        s0, t0 = self._plan_from
+        per_step = agree((now - t0) / max(step - s0, 1))
+        steps = self.every_seconds / max(per_step, 1e-9)
+        k = max(1, round(steps / self.align))
+        self.next_due = self._plan_at = step + k * self.align
+        self._plan_from = (step, now)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Copy ``state`` now and write it in the background (after the previous write)."""
@@ -585,7 +629,8 @@ class Checkpointer:
                     step_dir(self.root, s).rmdir()  # the last worker out removes it
 
     def report(self) -> dict[str, Any]:
-        return {"checkpoint_every": self.every, "checkpoint_saves": self.saves,
+        return {"checkpoint_every": self.every, "checkpoint_every_seconds": self.every_seconds,
+                "checkpoint_saves": self.saves,
                 "checkpoint_bytes": self.bytes,
                 "checkpoint_blocked_seconds": self.blocked_seconds,
                 "checkpoint_write_seconds": self.write_seconds,

@@ -194,9 +194,11 @@ class TrainConfig:
         None, "torch CPU threads per worker (default: this machine's cores divided by its "
         "workers, at least 1, and at most OMP_NUM_THREADS where that is set)")
     overwrite: bool = opt(False, "replace an existing run directory")
-    checkpoint_every: int | None = opt(
-        None, "save a checkpoint every K inner steps, and at the end (default: every outer step "
-        "(H) of diloco/noloco/streaming, every 100 steps of single/ddp; 0 disables)")
+    checkpoint_every: str | None = opt(
+        None, "save a checkpoint every K inner steps, or every DURATION (90s, 10min, 1h: the "
+        "workers agree on the step), and at the end (default: every outer step (H) of "
+        "diloco/noloco/streaming and every 100 steps of single/ddp for the tiny preset and "
+        "--hf-model; every 10min for the bigger presets, whose saves cost seconds; 0 disables)")
     keep_checkpoints: int = opt(2, "keep the newest N complete checkpoints")
     max_restarts: int = opt(
         0, "restart the workers up to R times after one dies, from the newest checkpoint "
@@ -298,7 +300,13 @@ class Config:
         if cfg.train.out is None:
             cfg.train.out = default_out()
         if cfg.train.checkpoint_every is None:
-            cfg.train.checkpoint_every = m.sync_every if m.sync_every is not None else 100
+            if cfg.model.preset != "tiny" and cfg.model.hf_model is None:
+                # a save of `small` (1.7 GB with its optimizer) takes ~2.4 s to write: every
+                # outer step cost ~10% of a GPU run's wall (docs/results.md, issue 34)
+                cfg.train.checkpoint_every = DEFAULT_CHECKPOINT_INTERVAL
+            else:
+                cfg.train.checkpoint_every = str(m.sync_every if m.sync_every is not None
+                                                 else 100)
         cfg.validate()
         return cfg
 
@@ -438,8 +446,12 @@ class Config:
             raise ConfigError("--stall-warning must be > 0")
         if o.schedule_steps is not None:
             _positive("--schedule-steps", o.schedule_steps)
-        if t.checkpoint_every is not None and t.checkpoint_every < 0:
-            raise ConfigError(f"--checkpoint-every must be >= 0, got {t.checkpoint_every}")
+        if t.checkpoint_every is not None:
+            _, seconds = checkpoint_cadence(t.checkpoint_every)
+            if seconds is not None and m.elastic and m.stages > 1:
+                raise ConfigError("--checkpoint-every DURATION with --elastic --stages: each "
+                                  "stage saves alone, so give steps (every stage saves the "
+                                  "same ones)")
         _positive("--keep-checkpoints", t.keep_checkpoints)
         if m.elastic:
             if m.method not in ("noloco", "diloco", "streaming", "sparseloco"):
@@ -595,6 +607,25 @@ def section_fields() -> list[tuple[str, dataclasses.Field]]:
 
 def flag_name(f: dataclasses.Field) -> str:
     return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+DEFAULT_CHECKPOINT_INTERVAL = "10min"
+"""the checkpoint cadence of the presets above tiny"""
+
+_UNITS = {"s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def checkpoint_cadence(spec: str | int) -> tuple[int, float | None]:
+    """``--checkpoint-every``: "50" → (50, None), every 50 steps; "10min" → (0, 600.0), every
+    600 seconds; "0" → (0, None), never. A ConfigError names anything else."""
+    text = str(spec).strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
+    if m is not None and not m.group(2) and "." not in m.group(1):
+        return int(m.group(1)), None
+    if m is not None and m.group(2) in _UNITS and float(m.group(1)) > 0:
+        return 0, float(m.group(1)) * _UNITS[m.group(2)]
+    raise ConfigError(f"--checkpoint-every takes inner steps (50; 0: never) or a duration "
+                      f"(90s, 10min, 1h), got {spec!r}")
 
 
 def _leaf_index() -> dict[str, tuple[str, str]]:

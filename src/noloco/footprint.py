@@ -6,7 +6,9 @@ The estimate, per worker (its stage's share of the parameters, p of them):
 
 - weights, 4·p bytes (fp32 master weights, whatever ``--precision``), and gradients, 4·p;
 - the inner optimizer: AdamW's two moments, 8·p; Muon's momentum, 4·p (its AdamW part for
-  the few non-matrix parameters is counted at Muon's rate: it is small);
+  the few non-matrix parameters is counted at Muon's rate: it is small); plus 8·p of
+  temporaries (the optimizer's multi-tensor steps and gradient clipping allocate copies:
+  on an H100 every method's measured peak sat ~8·p above the other terms);
 - the method's outer state, fp32: DiLoCo, Streaming and NoLoCo keep the slow weights and an
   outer momentum (8·p) and an outgoing payload (4·p); NoLoCo also receives a partner's
   (4·p per partner); SparseLoCo keeps the slow weights and an error feedback (8·p) and a
@@ -19,8 +21,11 @@ The estimate, per worker (its stage's share of the parameters, p of them):
   (fp32 logits, their gradient, a bf16 copy) on the last stage;
 - a fixed CUDA context and allocator reserve: :data:`CUDA_OVERHEAD`.
 
-It is an estimate (``benchmarks/gpu.py`` records it beside the measured peak); a run is
-refused only when its estimate exceeds what the GPU holds in all.
+It is an estimate (``benchmarks/gpu.py`` records it beside the measured peak: record
+``benchmarks/results/gpu_shared.json``, 4 replicas of ``small`` on one H100: before
+the temporaries were counted, the estimate with its CUDA reserve was 2-8% below the measured
+allocated peak, which holds no CUDA context at all); a run is refused only when its
+estimate exceeds what the GPU holds in all.
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ def estimate(cfg: Config, n_params: int, n_layers: int, dim: int, vocab: int) ->
     }.get(m.method, 12 * p)
     if m.compress is not None and m.method != "sparseloco":
         outer += 4 * p
-    optimizer = 4 * p if o.inner_optimizer == "muon" else 8 * p
+    optimizer = (4 * p if o.inner_optimizer == "muon" else 8 * p) + 8 * p
     in_flight = d.batch_size
     if stages > 1:
         microbatches = m.microbatches or 2 * stages
@@ -110,3 +115,29 @@ def check_fits(fp: Footprint, per_gpu: int, gpu_bytes: int, gpu_name: str = "GPU
         f"need about {need / GIB:.1f} GiB ({fp.total / GIB:.1f} GiB each: {fp.parts()} GiB): "
         f"use fewer replicas per machine, a smaller --batch-size or --seq-len, "
         f"--precision bf16, or more GPUs")
+
+
+# ---- model FLOPs utilisation -------------------------------------------------------------------
+
+PEAK_FLOPS = {
+    # dense tensor-core peaks from the vendors' data sheets (SXM parts), per precision:
+    # bf16 autocast runs the matmuls in bf16; fp32 ("highest" matmul precision) in FP32
+    "H100": {"bf16": 989e12, "fp32": 67e12},
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},
+}
+
+
+def peak_flops(gpu_name: str, precision: str) -> float | None:
+    """The GPU's dense peak for ``precision`` (FLOP/s), None for a GPU not in the table."""
+    for key, peaks in PEAK_FLOPS.items():
+        if key in gpu_name:
+            return peaks.get(precision)
+    return None
+
+
+def flops_per_token(n_params: int, n_layers: int, dim: int, vocab: int, seq_len: int) -> int:
+    """Training FLOPs per token, forward and backward (PaLM's appendix B): 6·N for the
+    parameters that multiply (all but the input embedding, a lookup) and 12·L·d·s for the
+    attention scores and their weighted sum (full, not causal-halved: the usual count)."""
+    return 6 * (n_params - vocab * dim) + 12 * n_layers * dim * seq_len

@@ -15,6 +15,7 @@ import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from noloco import checkpoint as ckpt_mod
 from noloco import data as data_mod
 from noloco.comm import Communicator, flatten, unflatten_into
-from noloco.config import Config, ConfigError, local_replicas
+from noloco.config import Config, ConfigError, checkpoint_cadence, local_replicas
 from noloco.distributed import DistContext, Layout, host_staged, make_comms
 from noloco.errors import Interrupted
 from noloco.faults import FaultInjector, parse_faults
@@ -141,6 +142,18 @@ class LoopState:
     """wall seconds of the run so far, start-up included"""
 
 
+def make_checkpointer(cfg: Config, root: Path, rank: int, world: int, store: Any = None
+                      ) -> ckpt_mod.Checkpointer:
+    """The checkpointer of ``--checkpoint-every`` (steps, or a duration aligned to the outer
+    step)."""
+    t = cfg.train
+    steps, seconds = checkpoint_cadence(t.checkpoint_every if t.checkpoint_every is not None
+                                        else 0)
+    return ckpt_mod.Checkpointer(root, rank, world, cfg.math_hash(), steps, t.keep_checkpoints,
+                                 store=store, every_seconds=seconds,
+                                 align=cfg.method.sync_every or 1)
+
+
 class Trainer:
     """One worker's training: the pieces, the loop, and what a checkpoint holds."""
 
@@ -208,9 +221,8 @@ class Trainer:
                                      m.stall_warning).start()
             for c in (self.comm, self.world, self.runner):
                 c.watchdog = self.watchdog
-        self.ckpt = ckpt_mod.Checkpointer(
-            rundir.path / "checkpoints", lay.rank, lay.world, cfg.math_hash(),
-            t.checkpoint_every, t.keep_checkpoints, store=ctx.store)
+        self.ckpt = make_checkpointer(cfg, rundir.path / "checkpoints", lay.rank, lay.world,
+                                      ctx.store)
         self.state = LoopState()
         self.resumed_from: int | None = None
         self.stop_step: int | None = None
@@ -267,6 +279,14 @@ class Trainer:
             "loop": {**asdict(self.state), "loop_s": self.loop_seconds(),
                      "wall_s": self.wall_seconds()},
         }
+
+    def agree_max(self, x: float) -> float:
+        """The max of every checkpointing worker's ``x`` (collective over the checkpointer's
+        world: the run's workers; an elastic replica alone)."""
+        if self.ckpt.world == 1:
+            return x
+        return max(float(v) for v in self.world.all_gather(torch.tensor([x],
+                                                                      dtype=torch.float64)))
 
     def loop_seconds(self) -> float:
         """Wall seconds in the training loop, earlier processes of this run included."""
@@ -411,6 +431,7 @@ class Trainer:
             # way to the final one (after any sync in flight lands): do it now, as an
             # uninterrupted run would have.
             self.evaluate(st.step, log)
+        self.ckpt.start(st.step, self.loop_seconds())
         while st.step < t.steps:
             self.between_steps()  # may move the step (an elastic replica catching up)
             if st.step >= t.steps:
@@ -455,8 +476,9 @@ class Trainer:
             last = st.step == t.steps
             if st.step % t.eval_every == 0 and not last:
                 self.evaluate(st.step, log)
-            if self.ckpt.due(st.step) or (last and self.ckpt.every > 0):
+            if self.ckpt.due(st.step) or (last and self.ckpt.enabled):
                 self.ckpt.save(st.step, self.capture())
+            self.ckpt.plan(st.step, self.loop_seconds(), self.agree_max)
             self.ckpt.poll()
             faults.after_step(st.step, self.params, self.comm)
             if lay.rank == 0 and (last or (t.log_every > 0 and st.step % t.log_every == 0)
@@ -528,7 +550,7 @@ class Trainer:
         ``--resume`` continues from here (every worker saves the same step)."""
         self.status.graceful = False  # a second signal from here on stops at once
         st = self.state
-        if self.ckpt.every > 0:
+        if self.ckpt.enabled:
             if not self.ckpt.due(st.step):  # else this step's own checkpoint is being written
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.wait()

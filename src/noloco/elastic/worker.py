@@ -47,7 +47,7 @@ from noloco.integrity import Sealer, payload_key
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.staging import HostStaged
-from noloco.train import AVERAGED_METHODS, Trainer
+from noloco.train import AVERAGED_METHODS, Trainer, make_checkpointer
 
 
 def _worker_name(replica: int, stage: int, stages: int) -> str:
@@ -82,9 +82,7 @@ class ElasticTrainer(Joining, Trainer):
         self._membership = membership
         super().__init__(cfg, lay, device, threads, rundir, ctx, status)
         self.membership = membership
-        self.ckpt = ckpt_mod.Checkpointer(
-            self._checkpoint_root(), 0, 1, cfg.math_hash(), cfg.train.checkpoint_every,
-            cfg.train.keep_checkpoints)
+        self.ckpt = make_checkpointer(cfg, self._checkpoint_root(), 0, 1)
         self.served = membership.store.add(join_key(lay.replica), 0)
         self.next_serve = self.served
         self.generation = membership.ns.generation if membership.ns is not None else 0
