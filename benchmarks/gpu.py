@@ -5,13 +5,16 @@ Steps (each in its own try: an error is recorded and the others still run; the s
 
 - ``train_fp32`` / ``train_bf16`` (/ ``train_compile`` with ``--compile``): a bare PyTorch loop
   of noloco's own model (``noloco.model.build``, seed 0: random windows of the same tokens,
-  forward, cross-entropy, backward, clip 1.0, AdamW, zero_grad, ``loss.item()``) against
-  ``noloco train --method single`` of the same model, batch and sequence (its real command
-  line, in this process; the progress reporter's step hook notes the time). Steady-state
-  tokens/s of each = tokens per step ÷ the median step time after ``--warmup-steps``; the
-  ratio noloco ÷ bare; the peak GPU memory of each.
+  forward, cross-entropy, backward, clip 1.0, AdamW, zero_grad; the loss read at the end
+  only, as a loop that logs now and then) against ``noloco train --method single`` of the
+  same model, batch and sequence (its real command line, in this process; the progress
+  reporter's step hook notes the time). Steady-state tokens/s of each = the tokens of the
+  steps after ``--warmup-steps`` ÷ their time, the device synchronised at both ends and
+  nowhere between; the ratio noloco ÷ bare; the peak GPU memory of each; noloco's model
+  FLOPs utilisation (summary.json's ``gpu.mfu``).
 - ``checkpoint``: DiLoCo, one replica, H = ``--sync-every`` (50) for ``--diloco-steps`` (150),
-  with the default checkpointing (every H steps) against ``--checkpoint-every 0``: the wall
+  with the default checkpointing (10min for small, every H for tiny) and every H steps
+  against ``--checkpoint-every 0``: the wall
   time of each and the share of the checkpointed run's wall the checkpoints cost.
 - ``generate``: ``--new-tokens`` (200) sampled from the model the checkpoint step trained, on
   the CPU and on the GPU (``noloco.generate``, key/value cache, the same seed): tokens/s of
@@ -176,13 +179,22 @@ def free_memory() -> None:
 
 
 def steady(marks: list[float], warmup: int, tokens_per_step: int) -> dict[str, Any]:
-    """Step times from consecutive end-of-step times, the first ``warmup`` steps left out."""
+    """Tokens/s over the steps after the first ``warmup``: from the end of step ``warmup`` to
+    the end of the last, the device synchronised at both (:func:`sync_points`; nothing
+    waits for the device in between, as in a loop that reads its loss only now and then).
+    The host's own step intervals are kept too (on a GPU they time launches, not steps)."""
     steps = [b - a for a, b in zip(marks, marks[1:], strict=False)][max(warmup - 1, 0):]
     if not steps:
         raise RuntimeError(f"no steady-state steps ({len(marks)} marks, warm-up {warmup})")
-    med = statistics.median(steps)
-    return {"tokens_per_second": tokens_per_step / med, "step_seconds": common.quartiles(steps),
-            "mean_tokens_per_second": tokens_per_step * len(steps) / sum(steps)}
+    tps = tokens_per_step * len(steps) / sum(steps)
+    return {"tokens_per_second": tps, "host_step_seconds": common.quartiles(steps),
+            "median_host_tokens_per_second": tokens_per_step / statistics.median(steps)}
+
+
+def sync_points(a: argparse.Namespace) -> set[int]:
+    """The steps (1-based) after which the device is synchronised before the time is noted:
+    the end of the warm-up and the last step."""
+    return {max(a.warmup_steps, 1), a.steps}
 
 
 def device_facts(device: str) -> dict[str, Any]:
@@ -233,7 +245,8 @@ def bare_loop(a: argparse.Namespace, precision: str, compile: bool) -> dict[str,
     offsets = torch.arange(a.seq_len + 1)
     marks: list[float] = []
     reset_peak(a.device)
-    for _ in range(a.steps):
+    at = sync_points(a)
+    for i in range(a.steps):
         starts = torch.randint(len(tokens) - a.seq_len - 1, (a.batch_size, 1), generator=gen)
         rows = tokens[starts + offsets].to(device)
         with autocast(device, precision):
@@ -242,7 +255,8 @@ def bare_loop(a: argparse.Namespace, precision: str, compile: bool) -> dict[str,
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss.item()  # as noloco's loop: the loss comes back every step (a sync on a GPU)
+        if i + 1 in at:  # the loss is read at the end only: no wait per step
+            sync(a.device)
         marks.append(time.perf_counter())
     out = steady(marks, a.warmup_steps, a.batch_size * a.seq_len)
     out.update(peak_gpu_bytes=peak_bytes(a.device), final_loss=float(loss.detach()))
@@ -258,15 +272,19 @@ def noloco_argv(a: argparse.Namespace, out: Path, *extra: str) -> list[str]:
             "--log-every", "0", "--out", str(out), "--overwrite", *extra]
 
 
-def run_noloco(argv: list[str]) -> tuple[list[float], dict[str, Any], float]:
-    """``noloco train ARGV`` in this process: the time after every inner step, its
-    summary.json and its wall seconds. Its own output is kept out of ours."""
+def run_noloco(argv: list[str], sync_at: set[int] | frozenset[int] = frozenset(),
+               device: str = "cpu") -> tuple[list[float], dict[str, Any], float]:
+    """``noloco train ARGV`` in this process: the time after every inner step (the device
+    synchronised first after the steps in ``sync_at``), its summary.json and its wall
+    seconds. Its own output is kept out of ours."""
     from noloco import cli, metrics
 
     marks: list[float] = []
     step = metrics.Progress.step
 
     def timed_step(self: Any, *args: Any, **kw: Any) -> None:
+        if len(marks) + 1 in sync_at:
+            sync(device)
         marks.append(time.perf_counter())
         step(self, *args, **kw)
 
@@ -292,12 +310,13 @@ def train_step(a: argparse.Namespace, tmp: Path, precision: str, compile: bool
              "--checkpoint-every", "0", "--precision", precision]
     reset_peak(a.device)
     marks, summary, wall = run_noloco(noloco_argv(a, tmp / "single", *extra,
-                                                  *(["--compile"] if compile else [])))
+                                                  *(["--compile"] if compile else [])),
+                                      sync_points(a), a.device)
     noloco = steady(marks, a.warmup_steps, a.batch_size * a.seq_len)
     noloco.update(peak_gpu_bytes=peak_bytes(a.device), process_wall_seconds=wall,
                   summary_tokens_per_second=summary["tokens_per_second"],
                   final_val_loss=summary["final_val_loss"], device=summary["device"],
-                  params=summary["params"])
+                  params=summary["params"], gpu=summary.get("gpu"))
     shutil.rmtree(tmp / "single", ignore_errors=True)
     return {"precision": precision, "compile": compile, "bare": bare, "noloco": noloco,
             "ratio": noloco["tokens_per_second"] / bare["tokens_per_second"]}
@@ -315,7 +334,9 @@ def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[st
                            "--precision", precision))
     shutil.rmtree(tmp / "diloco_warmup", ignore_errors=True)
     runs: dict[str, Any] = {}
-    for name, every in (("no_checkpoints", ["--checkpoint-every", "0"]), ("default", [])):
+    cadences = (("no_checkpoints", ["--checkpoint-every", "0"]), ("default", []),
+                ("every_outer_step", ["--checkpoint-every", str(a.sync_every)]))
+    for name, every in cadences:
         out = tmp / f"diloco_{name}"
         reset_peak(a.device)
         _, s, wall = run_noloco(noloco_argv(
@@ -339,7 +360,18 @@ def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[st
             "blocked_share_of_train": runs["default"]["checkpoint_blocked_seconds"] / td,
             "blocked_seconds_per_save": runs["default"]["checkpoint_blocked_seconds"]
             / max(1, runs["default"]["checkpoint_saves"]),
-            "model_run": str(tmp / "diloco_default")}
+            "model_run": str(tmp / "diloco_default"),
+            # each cadence's cost against no checkpoints (the default of the bigger presets is
+            # a time, 10min: in a short run only the end's save)
+            "cadences": {name: {
+                "checkpoint_every": r.get("checkpoint_every"),
+                "checkpoint_every_seconds": r.get("checkpoint_every_seconds"),
+                "saves": r.get("checkpoint_saves"),
+                "share_of_wall": (r["process_wall_seconds"] - z) / r["process_wall_seconds"],
+                "share_of_train": (r["train_seconds"] - tz) / r["train_seconds"],
+                "blocked_seconds_per_save": r["checkpoint_blocked_seconds"]
+                / max(1, r["checkpoint_saves"])}
+                for name, r in runs.items() if name != "no_checkpoints"}}
 
 
 # ---- steps: replicas sharing the device ------------------------------------------------------
@@ -670,10 +702,16 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             continue
         v = r["result"]
         if name.startswith("train_"):
+            mfu = (v["noloco"].get("gpu") or {}).get("mfu")
             lines.append(f"{name:<14} bare {v['bare']['tokens_per_second']:,.0f} tok/s | noloco "
                          f"{v['noloco']['tokens_per_second']:,.0f} tok/s | ratio "
-                         f"{v['ratio']:.3f}")
+                         f"{v['ratio']:.3f}" + (f" | noloco MFU {100 * mfu:.1f}%" if mfu else ""))
         elif name == "checkpoint":
+            for cad, c in v.get("cadences", {}).items():
+                lines.append(f"checkpoint/{cad:<16} {c['saves']} saves: "
+                             f"{100 * c['share_of_wall']:.1f}% of wall, "
+                             f"{100 * c['share_of_train']:.1f}% of the loop, blocked "
+                             f"{1e3 * c['blocked_seconds_per_save']:.0f} ms a save")
             lines.append(f"{name:<14} with checkpoints: wall x{v['wall_ratio']:.3f} "
                          f"({100 * v['checkpoint_share_of_wall']:.1f}% of wall), loop "
                          f"x{v['train_ratio']:.3f} ({100 * v['checkpoint_share_of_train']:.1f}%), "

@@ -165,3 +165,35 @@ def test_a_gpu_snapshot_holds_the_state_as_of_the_save_while_training_goes_on(tm
     assert len(snap.stored) == 25  # w0 stored once (the same memory), the bf16 copy apart
     torch.cuda.synchronize()
     assert all(torch.equal(w[k].cpu(), expected[k] * -3.0 + 1.0) for k in w)
+
+
+@pytest.mark.slow("two training runs in this process")
+@pytest.mark.timeout(240)
+def test_the_inner_loop_reads_nothing_back_per_step(tmp_path, monkeypatch) -> None:
+    """Issue 34 item 2: on a GPU every read of a tensor's value waits for the device. A run of
+    twice the steps (no log lines, no evaluation or checkpoint between) reads as many values
+    in noloco's code as the shorter one: the losses are read together, at the evaluation.
+    (torch's AdamW reads its step counters, host tensors by design: not counted.)"""
+    import sys
+
+    src = str(REPO / "src" / "noloco")
+    reads = {"n": 0}
+    for name in ("item", "tolist", "__float__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, **k):
+            if sys._getframe(1).f_code.co_filename.startswith(src):
+                reads["n"] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def run(steps: int) -> int:
+        reads["n"] = 0
+        assert train(tmp_path / str(steps), "builtin", "--max-tokens", "100000", "--steps",
+                     str(steps), "--eval-every", str(steps), "--log-every", "0",
+                     "--checkpoint-every", "0", "--device", "cpu") == 0
+        return reads["n"]
+
+    short, long = run(8), run(16)
+    assert short > 0 and long == short, (short, long)

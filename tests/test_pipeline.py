@@ -180,7 +180,8 @@ def _train(runner, params, steps: int, replica: int = 0):
     for i, (x, y) in enumerate(_batches(steps, replica)):
         if emb0 is None:
             emb0 = params[0].detach().clone()
-        losses.append(runner.train_step(x, y, i))
+        loss = runner.train_step(x, y, i)  # a tensor (LocalRunner), a number or None
+        losses.append(float(loss) if loss is not None else None)
         if first_grads is None:
             first_grads = [p.grad.clone() for p in params]
         _sgd(params)

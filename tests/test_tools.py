@@ -228,6 +228,42 @@ def test_tokens_per_second_and_time_left_follow_a_slowdown_at_once(capsys) -> No
     assert line == "step    360/1000 ( 36%) | loss 2.000 | 1,000 tok/s | 10 min 40 s left", line
 
 
+def test_the_progress_line_reads_the_loss_only_when_it_prints_and_shows_mfu(capsys) -> None:
+    """A loss tensor is read at the log interval only; on a GPU of known peak the line says
+    the model FLOPs utilisation (tokens/s x FLOPs per token / peak)."""
+    import torch
+
+    from noloco import footprint
+    from noloco.metrics import Progress
+
+    reads = []
+
+    class Loss(torch.Tensor):
+        def __float__(self):
+            reads.append(1)
+            return 2.0
+
+    now = [0.0]
+    p = Progress(enabled=True, total=100, log_every=10, clock=lambda: now[0],
+                 flops_per_token=6e6, peak_flops=1e12)
+    for step in range(1, 21):
+        now[0] += 0.1
+        p.step(step, torch.zeros(()).as_subclass(Loss), 10_000)
+    assert len(reads) == 2  # steps 10 and 20
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "loss 2.000 | 100,000 tok/s | MFU 60%" in line, line  # 1e5 x 6e6 / 1e12
+    assert footprint.peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
+    assert footprint.peak_flops("Some GPU", "bf16") is None
+    from noloco.config import Config
+
+    # tiny: d 128, 4 layers, SwiGLU 384, 256 tokens. Multiplying parameters: per layer
+    # 4·d² + 3·d·f (+ 2 norms of d), the final norm and the output head V·d.
+    n, layers, dim, vocab = footprint.model_shape(Config().resolved(), 256)
+    multiplying = 4 * (4 * 128**2 + 3 * 128 * 384 + 2 * 128) + 128 + 256 * 128
+    assert footprint.flops_per_token(n, layers, dim, vocab, 64) == (
+        6 * multiplying + 12 * 4 * 128 * 64) == 5_708_544
+
+
 @pytest.mark.slow("a two-replica run (module fixture)")
 @pytest.mark.timeout(60)
 def test_the_closing_summary_names_noloco_report(runs, capsys) -> None:

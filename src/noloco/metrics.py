@@ -155,11 +155,17 @@ class Progress:
     that slows down says so at once, not once the slowdown outweighs the whole run's average"""
 
     def __init__(self, enabled: bool, total: int, log_every: int = 10, start: int = 0,
-                 show_steps: bool | None = None, clock: Any = time.perf_counter) -> None:
+                 show_steps: bool | None = None, clock: Any = time.perf_counter,
+                 flops_per_token: float | None = None, peak_flops: float | None = None
+                 ) -> None:
         """``enabled``: this worker prints the evaluation lines and the end of the run;
         ``show_steps`` (default: the same): it prints the per-step progress — with pipeline
-        stages the worker that has the loss (replica 0's last stage)."""
+        stages the worker that has the loss (replica 0's last stage). With
+        ``flops_per_token`` and the ``peak_flops`` of the run's GPUs, the line shows the
+        model FLOPs utilisation (noloco.footprint)."""
         self.enabled = enabled
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.bar_drawn = -math.inf
         self.show_steps = enabled if show_steps is None else show_steps
         self.log_every = log_every
         self.tty = self.show_steps and sys.stderr.isatty()
@@ -181,7 +187,12 @@ class Progress:
             self.task = self.bar.add_task("train", total=total, completed=start, info="")
             self.bar.start()
 
-    def step(self, step: int, loss: float | None, tokens: int) -> None:
+    BAR_SECONDS = 0.25
+    """the bar is redrawn at most this often: each redraw reads the loss, which on a GPU
+    waits for the step's kernels"""
+
+    def step(self, step: int, loss: Any, tokens: int) -> None:
+        """``loss``: a number, a tensor (read only when shown), or None."""
         if not self.show_steps:
             return
         self.tokens += tokens
@@ -189,13 +200,23 @@ class Progress:
         self.recent.append((now, step, self.tokens))
         while len(self.recent) > 2 and now - self.recent[1][0] >= self.WINDOW_SECONDS:
             self.recent.popleft()
+        if self.bar is not None:
+            if now - self.bar_drawn < self.BAR_SECONDS and step < self.total:
+                return
+            self.bar_drawn = now
+        elif not (self.log_every > 0 and step % self.log_every == 0):
+            return
         then, then_step, then_tokens = self.recent[0]
         tps = (self.tokens - then_tokens) / max(now - then, 1e-9)
         pace = (now - then) / (step - then_step) if step > then_step else None
-        info = f"loss {loss:.3f} | {tps:,.0f} tok/s" if loss is not None else f"{tps:,.0f} tok/s"
+        info = f"{tps:,.0f} tok/s"
+        if self.flops_per_token and self.peak_flops:
+            info += f" | MFU {100 * tps * self.flops_per_token / self.peak_flops:.0f}%"
+        if loss is not None:
+            info = f"loss {float(loss):.3f} | {info}"
         if self.bar is not None:
             self.bar.update(self.task, completed=step, info=info)
-        elif self.log_every > 0 and step % self.log_every == 0:
+        else:
             print(self.plain_line(step, info, now - self.t0, pace), flush=True)
 
     def plain_line(self, step: int, info: str, elapsed: float, pace: float | None = None
@@ -367,8 +388,10 @@ class WandB:
         self.run.finish()
 
 
-def gpu_summary(trainer: Any) -> dict[str, Any]:
-    """Where the workers trained and what they held on the GPU (collective)."""
+def gpu_summary(trainer: Any, tokens_per_second: float) -> dict[str, Any]:
+    """Where the workers trained, what they held on the GPU (collective), and the model FLOPs
+    utilisation: tokens/s × training FLOPs per token ÷ the peak FLOP/s of the run's GPUs
+    (noloco.footprint: 6·N + 12·L·d·s per token; the vendor's dense peak at the precision)."""
     from noloco import distributed, footprint
 
     lay = trainer.lay
@@ -377,12 +400,17 @@ def gpu_summary(trainer: Any) -> dict[str, Any]:
     shape = (footprint.model_shape(trainer.cfg, trainer.args.vocab_size)
              if trainer.args is not None else None)
     est = footprint.estimate(trainer.cfg, *shape).total if shape is not None else None
+    terms = trainer.mfu_terms()
     return {"name": torch.cuda.get_device_name(trainer.device),
             "gpus": distributed.cuda_devices(),
             "workers_per_gpu": distributed.workers_per_gpu(lay.local_world),
             "host_staged": distributed.host_staged(trainer.device, lay.local_world),
             "peak_memory_bytes": int(peak),
-            "estimated_bytes_per_worker": est}
+            "estimated_bytes_per_worker": est,
+            "flops_per_token": terms["flops_per_token"],
+            "peak_flops": terms["peak_flops"],
+            "mfu": (tokens_per_second * terms["flops_per_token"] / terms["peak_flops"]
+                    if terms["peak_flops"] else None)}
 
 
 def _peak_rss_bytes() -> float:
@@ -496,7 +524,7 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "startup": startup_summary(trainer),
     }
     if trainer.device.type == "cuda":
-        summary["gpu"] = gpu_summary(trainer)
+        summary["gpu"] = gpu_summary(trainer, summary["tokens_per_second"])
     if lay.stages > 1:
         summary["param_bytes"] = sum(gather_scalars(trainer.world, lay, [trainer.param_bytes],
                                                     "stage_sum"))

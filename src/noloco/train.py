@@ -95,17 +95,20 @@ class LocalRunner:
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return list(self.model.named_parameters())
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm before clipping, left on the device (reading it would wait for it)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, step: int,
-                   scale: float = 1.0) -> float | None:
+                   scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of one batch; its gradient, times ``scale``, is added to the
-        parameters' (``1/K`` for each of K accumulated microbatches)."""
+        parameters' (``1/K`` for each of K accumulated microbatches). The loss comes back as
+        a tensor on the device: the loop reads it at the log interval, not every step (on a
+        GPU a read waits for the step's kernels and the host stops running ahead)."""
         with autocast(self.device, self.precision):
             loss = lm_loss(self.forward(inputs), targets)
         (loss * scale if scale != 1.0 else loss).backward()
-        return loss.item()
+        return loss.detach()
 
     @torch.no_grad()
     def eval_loss(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float | None:
@@ -132,7 +135,8 @@ class LoopState:
     eval_s: float = 0.0
     peak_step_bytes: int = 0
     last_train: list[float] = field(default_factory=list)
-    """training losses since the last evaluation"""
+    """training losses since the last evaluation (read from the device in batches:
+    :meth:`Trainer.train_losses`)"""
     metric_lines: int = 0
     """lines of metrics.jsonl written so far (rank 0)"""
     last_eval_step: int = -1
@@ -224,6 +228,9 @@ class Trainer:
         self.ckpt = make_checkpointer(cfg, rundir.path / "checkpoints", lay.rank, lay.world,
                                       ctx.store)
         self.state = LoopState()
+        self.unread_losses: list[Any] = []
+        """training losses of the steps since they were last read: device tensors (a
+        pipeline's last stage: numbers)"""
         self.resumed_from: int | None = None
         self.stop_step: int | None = None
         self.speaker = local_replicas(t.replica_ids, lay.replicas)[0]
@@ -264,8 +271,38 @@ class Trainer:
         """Called before every inner step (an elastic run serves joining replicas here)."""
 
     # ---- checkpoints ------------------------------------------------------------------------
+    def mfu_terms(self) -> dict[str, float | None]:
+        """On GPUs of known peak, with noloco's own model: the training FLOPs per token and
+        the peak FLOP/s of every GPU the run's workers use (noloco.footprint), else Nones."""
+        from noloco import distributed, footprint
+
+        none: dict[str, float | None] = {"flops_per_token": None, "peak_flops": None}
+        if self.device.type != "cuda" or self.args is None:
+            return none
+        peak = footprint.peak_flops(torch.cuda.get_device_name(self.device),
+                                    self.cfg.train.precision)
+        if peak is None:
+            return none
+        a = self.args
+        gpus = -(-self.lay.world // max(1, distributed.workers_per_gpu(self.lay.local_world)))
+        return {"flops_per_token": float(footprint.flops_per_token(
+                    self.n_params_total, a.n_layers, a.dim, a.vocab_size, self.cfg.data.seq_len)),
+                "peak_flops": peak * gpus}
+
+    def train_losses(self) -> list[float]:
+        """The training losses since the last evaluation, as numbers: those still on the
+        device are read now, together (one wait)."""
+        if self.unread_losses:
+            vals = torch.stack([torch.as_tensor(x, dtype=torch.float32, device="cpu")
+                                if not isinstance(x, torch.Tensor) else x.float()
+                                for x in self.unread_losses]).tolist()
+            self.state.last_train.extend(vals)
+            self.unread_losses.clear()
+        return self.state.last_train
+
     def capture(self) -> dict[str, Any]:
         """Everything the next inner step depends on (live tensors: the checkpointer copies)."""
+        self.train_losses()
         return {
             "format": ckpt_mod.FORMAT, "step": self.state.step, "rank": self.lay.rank,
             "config_hash": self.cfg.math_hash(),
@@ -365,7 +402,8 @@ class Trainer:
         e0 = time.perf_counter()
         st = self.state
         mine = self.runner.eval_loss(self.val)
-        train_loss = sum(st.last_train) / len(st.last_train) if st.last_train else float("nan")
+        losses = self.train_losses()
+        train_loss = sum(losses) / len(losses) if losses else float("nan")
         rec = gather_metrics(self.lay, self.world, self.comm, mine, train_loss, self.params,
                              self.runner)
         rec.update(step=step, tokens=step * self.tokens_per_step * self.lay.replicas,
@@ -406,7 +444,8 @@ class Trainer:
                                publish=self.publish_step)
         log = Progress(enabled=lay.rank == lay.global_rank(self.speaker, 0), total=t.steps,
                        log_every=t.log_every, start=st.step,
-                       show_steps=lay.rank == lay.global_rank(self.speaker, lay.stages - 1))
+                       show_steps=lay.rank == lay.global_rank(self.speaker, lay.stages - 1),
+                       **self.mfu_terms())
         running = {"status": "running", "last_step": st.step, "attempt": self.ctx.attempt,
                    "resumed_from_step": self.resumed_from, "updated_at": time.time()}
         if lay.rank == 0:
@@ -471,7 +510,7 @@ class Trainer:
             # before c1; blocking inside after_inner_step (outer steps) lies outside (c1 - s0).
             st.compute_s += (c1 - s0) - blocked
             if loss is not None:
-                st.last_train.append(loss)
+                self.unread_losses.append(loss)
             log.step(st.step, loss, self.tokens_per_step * lay.replicas)
             last = st.step == t.steps
             if st.step % t.eval_every == 0 and not last:

@@ -120,7 +120,8 @@ class ElasticTrainer(Joining, Trainer):
         e0 = time.perf_counter()
         st = self.state
         val = self.runner.eval_loss(self.val)  # None on a stage before the last
-        train = sum(st.last_train) / len(st.last_train) if st.last_train else None
+        losses = self.train_losses()
+        train = sum(losses) / len(losses) if losses else None
         rec = {"step": step, "replica": self.lay.replica, "stage": self.lay.stage,
                "val_loss": val, "train_loss": train,
                "bytes_sent": self.comm.bytes_sent, "sync_seconds": self.comm.sync_seconds,
