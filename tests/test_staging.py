@@ -150,3 +150,18 @@ def test_the_estimate_follows_the_run(monkeypatch, capsys) -> None:
     assert capsys.readouterr().err.strip() == (
         "noloco: 4 workers on 1 GPU (Fake GPU: up to 4 share each; gloo between them, "
         "staged through pinned host memory)")
+
+
+def test_ranks_that_would_pick_other_backends_are_refused_before_the_group() -> None:
+    """A machine whose workers share a GPU (gloo) beside one whose workers own theirs (NCCL)
+    would hang at the first collective: the ranks compare their choice with rank 0's."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    distributed.agree_backend(store, 0, 0, "cpu:gloo,cuda:nccl")
+    distributed.agree_backend(store, 1, 0, "cpu:gloo,cuda:nccl")  # the same: nothing said
+    with pytest.raises(distributed.ConfigError, match="rank 2 would use 'gloo' and rank 0 "
+                       "'cpu:gloo,cuda:nccl': every machine needs the same GPUs per worker"):
+        distributed.agree_backend(store, 2, 0, "gloo")
+    distributed.agree_backend(store, 0, 1, "gloo")  # a restart (attempt 1) chooses afresh
+    distributed.agree_backend(store, 2, 1, "gloo")

@@ -327,9 +327,9 @@ class TorchCommunicator(Communicator):
         tensor = tensor.contiguous()
         bufs = list(out) if out is not None else [torch.empty_like(tensor) for _ in peers]
         if any(b.shape != tensor.shape or b.dtype != tensor.dtype or not b.is_contiguous()
-               for b in bufs):
-            raise ValueError("exchange: every receive buffer must be contiguous and shaped "
-                             "like the tensor sent")
+               or b.device != tensor.device for b in bufs):
+            raise ValueError("exchange: every receive buffer must be contiguous, shaped like "
+                             "the tensor sent and on its device")
         recvs, sends = [], []
         for peer, buf in zip(peers, bufs, strict=True):
             if not 0 <= peer < self.size or peer == self.rank:
@@ -362,6 +362,8 @@ class TorchCommunicator(Communicator):
         self.bytes_sent += quantized_all_reduce_bytes(n, size, fmt, block_size)
 
         def phases() -> torch.Tensor:
+            if send.is_cuda:  # this thread's own current device (NCCL calls run on it)
+                torch.cuda.set_device(send.device)
             return quantized_mean(
                 send, n, size, fmt, block_size,
                 lambda recv, sent: dist.all_to_all_single(recv, sent, group=group),

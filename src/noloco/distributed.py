@@ -212,9 +212,33 @@ def init_distributed(lay: Layout, timeout_s: float, device: torch.device,
     # metrics and start-up checks through gloo, in the same process group. Workers that share
     # a GPU use gloo alone, on host copies (noloco.staging).
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" and not staged else "gloo"
+    agree_backend(base, lay.rank, attempt, backend)
+    kw: dict[str, Any] = {}
+    if "nccl" in backend:
+        # NCCL's wait() otherwise returns at once (the stream waits, not the host): blocked
+        # time would read ~0, and a peer that never posts would end in NCCL's watchdog
+        # aborting this process instead of a CommError naming the peer. device_id creates
+        # the communicators now, not at the first collective (a failure shows at start-up).
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        kw["device_id"] = device
     dist.init_process_group(backend, store=dist.PrefixStore(f"noloco/attempt-{attempt}", base),
-                            rank=lay.rank, world_size=lay.world, timeout=timeout)
+                            rank=lay.rank, world_size=lay.world, timeout=timeout, **kw)
     return DistContext(store=base, attempt=attempt, owns_group=True)
+
+
+def agree_backend(store: Any, rank: int, attempt: int, backend: str) -> None:
+    """ConfigError unless this rank chose the backend rank 0 chose. Each picks it from local
+    facts (its GPUs, --device, host staging); ranks on backends that differ would send one
+    tensor through NCCL and its peer's through gloo, and hang."""
+    key = f"noloco/backend/{attempt}"
+    if rank == 0:
+        store.set(key, backend)
+        return
+    theirs = store.get(key).decode()
+    if theirs != backend:
+        raise ConfigError(f"rank {rank} would use {backend!r} and rank 0 {theirs!r}: every "
+                          f"machine needs the same GPUs per worker (NCCL where each worker "
+                          f"owns a GPU, gloo with host staging where workers share one)")
 
 
 def make_comms(cfg: Config, lay: Layout, staged_on: torch.device | None = None
