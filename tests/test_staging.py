@@ -67,8 +67,8 @@ def test_staging_passes_the_inner_communicators_state_through() -> None:
     inner = NullCommunicator()
     comm = HostStaged(inner, torch.device("cpu"))
     comm.bytes_sent += 5
-    comm.tamper = True
-    assert inner.bytes_sent == 5 and inner.tamper and comm.rank == 0 and comm.size == 1
+    comm.sealer = "s"
+    assert inner.bytes_sent == 5 and inner.sealer == "s" and comm.rank == 0 and comm.size == 1
     x = torch.arange(4.0)
     comm.all_reduce_mean(x)
     assert torch.equal(x, torch.arange(4.0)) and inner.ops["all_reduce"] == 1

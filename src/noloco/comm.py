@@ -50,7 +50,14 @@ SKIPPED = "skipped"
 """The result of an all-reduce that did not take place and must leave no trace: the replica
 keeps its slow weights and fast weights as they are, as though the outer step were not due
 (an elastic replica that cannot reach the run's store: the others cannot know whether it
-stepped, so it does not)."""
+stepped, so it does not). A string, not an object of its own: a sync in flight is saved with
+its result in checkpoints and join states, which hold plain values — ask :func:`is_skipped`."""
+
+
+def is_skipped(result: Any) -> bool:
+    """Whether an operation's result is :data:`SKIPPED` (as computed, or read back from a
+    checkpoint or a join state)."""
+    return isinstance(result, str) and result == SKIPPED
 
 
 class Pending:
@@ -140,9 +147,6 @@ class Communicator(ABC):
         """a :class:`noloco.integrity.Sealer` when payloads carry MACs (an elastic run with a
         run secret); their tags' bytes are counted in ``mac_bytes``, not ``bytes_sent``"""
         self.mac_bytes = 0
-        self.tamper = False
-        """fault injection (``tamper:R@S``): every payload leaves altered after it was sealed,
-        as a machine on its path could alter it"""
 
     # ---- accounting --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -534,9 +534,8 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
     summary.update(ck)
     if hasattr(trainer.runner, "report"):
         summary.update(trainer.runner.report())
-    if hasattr(trainer.method, "report"):
-        summary.update(trainer.method.report())
-    guard = getattr(trainer.method, "guard", None)
+    summary.update(trainer.method.report())
+    guard = trainer.method.guard
     if guard is not None:  # every worker's rejections, not rank 0's alone
         mine = [{"replica": lay.replica, "stage": lay.stage, **r} for r in guard.rejected]
         summary["update_guard"] = {

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from noloco import quant
-from noloco.comm import SKIPPED, Communicator, Pending
+from noloco.comm import Communicator, Pending, is_skipped
 
 
 class _Pool:
@@ -162,7 +162,7 @@ class HostStaged(Communicator):
 
     def _in_place(self, tensor: torch.Tensor, host: torch.Tensor, inner: Pending) -> Pending:
         def after(result: Any) -> Any:
-            if isinstance(result, str) and result == SKIPPED:  # nobody stepped: no trace
+            if is_skipped(result):  # nobody stepped: no trace
                 self._pool.give(host)
             else:
                 self._pool.back([host], [tensor])
@@ -176,7 +176,7 @@ class HostStaged(Communicator):
 
         def after(result: Any) -> Any:
             self._pool.give(host)
-            if isinstance(result, str) and result == SKIPPED:
+            if is_skipped(result):
                 return result
             return [r.to(device, non_blocking=True) for r in result]
 

@@ -496,7 +496,7 @@ class Trainer:
                 if beat is not None:
                     beat.step = st.step
             method.after_inner_step()
-            guard = getattr(method, "guard", None)
+            guard = method.guard
             if guard is not None and guard.restart_inner:
                 # Its own update was bad (NaN, huge): it took the synced weights, and the
                 # inner optimizer's state, poisoned by the same gradients, starts afresh.

@@ -18,6 +18,7 @@ from noloco.comm import (
     Communicator,
     Pending,
     _check_quantizable,
+    is_skipped,
     quantized_all_reduce_bytes,
     quantized_mean,
     quantized_messages,
@@ -65,6 +66,9 @@ class ElasticCommunicator(Communicator):
         self.m = membership
         self.rank, self.size = membership.replica, membership.replicas
         self.ranks = list(range(self.size))
+        self.tamper = False
+        """fault injection (``tamper:R@S``, elastic runs only): every payload leaves altered
+        after it was sealed, as a machine on its path could alter it"""
         self.peer_timeout = peer_timeout
         """how long a member's arrival is awaited"""
         self.transfer_timeout = max(peer_timeout, comm_timeout or peer_timeout)
@@ -623,7 +627,7 @@ class ElasticCommunicator(Communicator):
         self._committed = None  # (_quorum may return before an attempt sets it)
         done = self._quorum(tensor, "all_gather", gather)
         result = done.wait()
-        if isinstance(result, str) and result == SKIPPED:
+        if is_skipped(result):
             return done
         out: list[torch.Tensor | None] = [None] * self.size
         if self._committed is not None and len(self._committed) > 1 \

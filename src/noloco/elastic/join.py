@@ -118,7 +118,7 @@ class Joining:
         outer step and its next inner step — are not sent twice: ``phi_is_model`` names those
         fragments, and the joiner rebuilds them from the model it receives."""
         method = shared_state(self.method.state_dict())
-        frags = getattr(self.method, "frags", [])
+        frags = self.method.frags
         same = [i for i, f in enumerate(frags) if f.numel() and torch.equal(f.slow(), f.fast())]
         if same:
             method = {**method, "phi": [None if i in same else phi
@@ -500,7 +500,7 @@ class Joining:
         and outer momentum, and a sync in flight — what was sent and what each partner of
         its group sent back, fast and slow weights each."""
         copies = max(STATE_COPIES, 3 + 2 * getattr(self.method, "group_size", 1) + 2)
-        if getattr(self.method, "compress", None) is not None \
+        if self.method.compress is not None \
                 and not hasattr(self.method, "group_size"):
             # an all-gather in flight: what was sent and every replica's sparse message, each
             # at most 1.5 fp32 copies (topk:1.0:32: a 2-byte index beside every value)
@@ -524,7 +524,7 @@ class Joining:
                 raise BadState(f"its {name} is not shaped {tuple(p.shape)} {p.dtype}")
             if not all_finite(t):
                 raise BadState(f"its {name} is not finite")
-        frags = getattr(self.method, "frags", [])
+        frags = self.method.frags
         phi = state["method"].get("phi", [])
         if len(phi) != len(frags):
             raise BadState("its slow weights are not this model's")
@@ -558,10 +558,10 @@ class Joining:
             for i in state["phi_is_model"]:
                 phi[i] = self.method.frags[i].fast().clone()
             method = {**method, "phi": phi}
-        guard = getattr(self.method, "guard", None)
+        guard = self.method.guard
         judged = (list(guard.rejected), guard.checked) if guard is not None else None
         self.method.load_state_dict(method)
-        for e in getattr(self.method, "errors", []):
+        for e in self.method.errors:
             e.zero_()  # the donor's debt is not this replica's (shared_state)
         if guard is not None and judged is not None:
             # The donor's scale of distances, but this replica's own record of what it judged.

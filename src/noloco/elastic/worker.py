@@ -174,15 +174,13 @@ class ElasticTrainer(Joining, Trainer):
             "ops": dict(comm.ops),
             "events": comm.events, "joins": self.joins,
             "guard_rejected": [{"replica": lay.replica, "stage": lay.stage, **r}
-                               for r in getattr(getattr(self.method, "guard", None),
-                                                "rejected", [])],
+                               for r in (self.method.guard.rejected
+                                         if self.method.guard is not None else [])],
             # messages left out of a sparse mean (malformed or not finite)
-            "dropped_messages": [{"replica": lay.replica, **d}
-                                 for d in getattr(self.method, "dropped", [])],
+            "dropped_messages": [{"replica": lay.replica, **d} for d in self.method.dropped],
             # the method's settings (fragments, the exchange's encoding), for noloco report
             "settings": {k: v for k, v in self.method.settings().items()
-                         if k not in ("update_guard", "dropped_messages")}
-            if hasattr(self.method, "settings") else {},
+                         if k not in ("update_guard", "dropped_messages")},
             "served": self.served, "resumed_from_step": self.resumed_from,
             "threads_per_worker": self.threads, "params": self.n_params_total,
             "param_bytes": self.param_bytes, "device": str(self.device),

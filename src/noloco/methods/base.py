@@ -14,12 +14,15 @@ calls as the optimizer's pre- and post-step hooks.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from noloco.comm import Communicator
+
+if TYPE_CHECKING:
+    from noloco.guard import UpdateGuard
 
 
 def parameters_of(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -40,6 +43,18 @@ class Method:
         self.inner_steps = 0
         """inner steps taken so far (t)"""
         self.outer_steps = 0
+        # What a trainer may ask of any method; the methods with outer steps fill them in
+        # (noloco.methods.engine), the others keep these empty values.
+        self.guard: UpdateGuard | None = None
+        """checks updates before they are used or contributed (:mod:`noloco.guard`)"""
+        self.frags: list[Any] = []
+        """the fragments synchronised one at a time (each with its slow weights)"""
+        self.compress: Any = None
+        """the sparse exchange's setting and error feedback (``--compress``)"""
+        self.errors: list[torch.Tensor] = []
+        """the error-feedback buffers of a sparse exchange, one per fragment"""
+        self.dropped: list[dict[str, Any]] = []
+        """messages left out of a mean: malformed or not finite"""
 
     @property
     def sync_every(self) -> int | None:
@@ -64,6 +79,14 @@ class Method:
         """
         optimizer.register_step_pre_hook(lambda *_: self.sync_gradients())
         optimizer.register_step_post_hook(lambda *_: self.after_inner_step())
+
+    def settings(self) -> dict[str, Any]:
+        """The method's settings and its own record, for the summary (no communication)."""
+        return {}
+
+    def report(self) -> dict[str, Any]:
+        """Extra fields for the run's summary.json (a method may make it collective)."""
+        return self.settings()
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "inner_steps": self.inner_steps,

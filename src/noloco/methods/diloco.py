@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from noloco import sparse
-from noloco.comm import SKIPPED, Communicator, Pending
+from noloco.comm import Communicator, Pending, is_skipped
 from noloco.guard import UpdateGuard
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
 
@@ -136,7 +136,7 @@ def _undo_if_skipped(pending: Pending, undo: Callable[[], None]) -> Pending:
 
     def finish() -> Any:
         got = pending.wait()
-        if isinstance(got, str) and got == SKIPPED:
+        if is_skipped(got):
             undo()
         return got
 

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from noloco import quant, sparse
-from noloco.comm import SKIPPED, Communicator, Pending, flatten
+from noloco.comm import Communicator, Pending, flatten, is_skipped
 from noloco.guard import UpdateGuard, all_finite, distance
 from noloco.methods.base import Method
 from noloco.quant import FORMATS
@@ -240,8 +240,7 @@ class OuterSync(Method, ABC):
         self.compress = sparse.Compressor(spec, [f.numel() for f in self.frags], ef_decay,
                                           chunk, self.params[0].device, undoable=undoable)
         self.errors = self.compress.errors
-        self.dropped: list[dict[str, Any]] = []
-        """messages left out of a mean: malformed or not finite (DiLoCo.pseudo_gradient)"""
+        self.dropped = []  # (DiLoCo.pseudo_gradient)
         self.extra_state = (*self.extra_state, "errors", "dropped")
 
     def _guard_own(self, frag: Fragment, fast: torch.Tensor) -> bool:
@@ -309,7 +308,7 @@ class OuterSync(Method, ABC):
         received = sync.pending.wait()
         self.wait_seconds.append(time.perf_counter() - t0)
         frag = self.frags[sync.fragment]
-        if isinstance(received, str) and received == SKIPPED:
+        if is_skipped(received):
             if sync.own_bad and self.guard is not None:  # no step, but no bad weights either
                 for f in self.frags:
                     merge(f.params, f.phi, 0.0)
@@ -403,7 +402,7 @@ class OuterSync(Method, ABC):
                 "quantize": self.quantize,
                 "update_guard": self.guard.report() if self.guard is not None else None,
                 **({"compress": c.spec, "ef_decay": c.decay, "chunk": c.chunk,
-                    "dropped_messages": list(getattr(self, "dropped", []))}
+                    "dropped_messages": list(self.dropped)}
                    if (c := self.compress) is not None else {})}
 
 
