@@ -338,6 +338,14 @@ def test_a_time_cadence_is_planned_in_agreed_outer_steps(tmp_path):
     c.plan(264, now=1e6, agree=agree)  # slower than the cadence: still one outer step on
     assert c.next_due == 268
     assert not C.Checkpointer(tmp_path, 0, 1, "h", 0).enabled
+    # an elastic replica that healed jumps to its donor's step, past the planned one: it
+    # saves and plans there, instead of never again
+    assert c.due(300)
+    c.plan(300, now=1e6 + 3.6, agree=lambda x: x)  # 0.1 s a step: 300 steps on
+    assert c.next_due == 600 and not c.due(301)
+    assert Config.from_dict({"model": {"preset": "small"}, "method": {
+        "method": "noloco", "replicas": 2, "stages": 2, "elastic": True, "routing": "fixed"}}
+        ).resolved().train.checkpoint_every == "50"  # its stages save alone: steps
 
 
 @pytest.mark.parametrize("spec,ok", [

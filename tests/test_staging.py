@@ -78,6 +78,28 @@ def test_staging_passes_the_inner_communicators_state_through() -> None:
     assert [b for bufs in comm._pool._free.values() for b in bufs], "the buffer went back"
 
 
+def test_staging_passes_absent_replicas_and_failures_through() -> None:
+    """An elastic all-gather has None for a replica that took no part; a failed operation
+    gives its buffers back."""
+    from noloco.comm import CommError, Pending
+
+    class Inner(NullCommunicator):
+        def all_gather_async(self, tensor):
+            return Pending(self, [], lambda: [tensor.clone(), None])
+
+        def all_reduce_mean_async(self, tensor):
+            def fail():
+                raise CommError("peer gone")
+            return Pending(self, [], fail)
+
+    comm = HostStaged(Inner(), torch.device("cpu"))
+    got = comm.all_gather(torch.arange(3.0))
+    assert torch.equal(got[0], torch.arange(3.0)) and got[1] is None
+    with pytest.raises(CommError):
+        comm.all_reduce_mean(torch.ones(5))
+    assert comm._pool._free[((5,), torch.float32)], "the failed operation's buffer went back"
+
+
 # ---- placement -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("gpus,workers,expected", [

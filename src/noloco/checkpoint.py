@@ -487,6 +487,8 @@ class Checkpointer:
         self.root, self.rank, self.world = Path(root), rank, world
         self.config_hash, self.every, self.keep = config_hash, every, max(1, keep)
         self.every_seconds, self.align = every_seconds, max(1, align)
+        self.saved_step: int | None = None
+        """the step of the newest save started (its write may still run)"""
         self.next_due: int | None = None
         """time cadence: the step of the next save (None: not planned yet)"""
         self._plan_at: int | None = None
@@ -514,8 +516,10 @@ class Checkpointer:
         return self.every > 0 or self.every_seconds is not None
 
     def due(self, step: int) -> bool:
+        """Whether the loop saves after ``step``. In time, at or past the planned step: an
+        elastic replica that healed jumps to its donor's step, perhaps past it."""
         if self.every_seconds is not None:
-            return step == self.next_due
+            return self.next_due is not None and step >= self.next_due
         return self.every > 0 and step % self.every == 0
 
     def start(self, step: int, now: float) -> None:
@@ -529,7 +533,7 @@ class Checkpointer:
     def plan(self, step: int, now: float, agree: Callable[[float], float]) -> None:
         """At the planning step (every worker alike): fix the next save (class docstring).
         ``agree(x)`` returns the max of every worker's ``x``."""
-        if self.every_seconds is None or step != self._plan_at:
+        if self.every_seconds is None or self._plan_at is None or step < self._plan_at:
             return
         s0, t0 = self._plan_from
         per_step = agree((now - t0) / max(step - s0, 1))
@@ -540,6 +544,7 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Copy ``state`` now and write it in the background (after the previous write)."""
+        self.saved_step = step
         t0 = time.perf_counter()
         self.wait()
         snap = self._buffer.copy(state)

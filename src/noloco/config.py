@@ -300,7 +300,9 @@ class Config:
         if cfg.train.out is None:
             cfg.train.out = default_out()
         if cfg.train.checkpoint_every is None:
-            if cfg.model.preset != "tiny" and cfg.model.hf_model is None:
+            # (an elastic pipeline's stages save alone: they need steps, see validate)
+            if cfg.model.preset != "tiny" and cfg.model.hf_model is None and not (
+                    m.elastic and m.stages > 1):
                 # a save of `small` (1.7 GB with its optimizer) takes ~2.4 s to write: every
                 # outer step cost ~10% of a GPU run's wall (docs/results.md, issue 34)
                 cfg.train.checkpoint_every = DEFAULT_CHECKPOINT_INTERVAL

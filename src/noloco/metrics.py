@@ -388,15 +388,14 @@ class WandB:
         self.run.finish()
 
 
-def gpu_summary(trainer: Any, tokens_per_second: float) -> dict[str, Any]:
+def gpu_summary(trainer: Any, tokens_per_second: float, peak: float) -> dict[str, Any]:
     """Where the workers trained, what they held on the GPU (collective), and the model FLOPs
     utilisation: tokens/s × training FLOPs per token ÷ the peak FLOP/s of the run's GPUs
-    (noloco.footprint: 6·N + 12·L·d·s per token; the vendor's dense peak at the precision)."""
+    (noloco.footprint: 6·N + 12·L·d·s per token; the vendor's dense peak at the precision).
+    ``peak``: the most GPU memory any worker allocated (gathered by the caller)."""
     from noloco import distributed, footprint
 
     lay = trainer.lay
-    peak = gather_scalars(trainer.world, lay, [torch.cuda.max_memory_allocated(trainer.device)],
-                          "max")[0]
     shape = (footprint.model_shape(trainer.cfg, trainer.args.vocab_size)
              if trainer.args is not None else None)
     est = footprint.estimate(trainer.cfg, *shape).total if shape is not None else None
@@ -523,8 +522,12 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "model_dir": ckpt_mod.MODEL_DIR,
         "startup": startup_summary(trainer),
     }
+    # collective on every worker (a CPU worker beside GPU ones reports 0)
+    peak_gpu = gather_scalars(trainer.world, lay, [
+        torch.cuda.max_memory_allocated(trainer.device) if trainer.device.type == "cuda"
+        else 0], "max")[0]
     if trainer.device.type == "cuda":
-        summary["gpu"] = gpu_summary(trainer, summary["tokens_per_second"])
+        summary["gpu"] = gpu_summary(trainer, summary["tokens_per_second"], peak_gpu)
     if lay.stages > 1:
         summary["param_bytes"] = sum(gather_scalars(trainer.world, lay, [trainer.param_bytes],
                                                     "stage_sum"))

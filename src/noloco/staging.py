@@ -88,16 +88,22 @@ class _Pool:
 class _Staged(Pending):
     """The inner operation in flight; ``after`` turns its host result into the caller's."""
 
-    def __init__(self, comm: Communicator, inner: Pending, after: Callable[[Any], Any]) -> None:
+    def __init__(self, comm: Communicator, inner: Pending, after: Callable[[Any], Any],
+                 release: Callable[[], Any]) -> None:
         super().__init__(comm, [])
-        self._inner, self._after = inner, after
+        self._inner, self._after, self._release = inner, after, release
 
     def is_completed(self) -> bool:
         return self._done or self._inner.is_completed()
 
     def wait(self) -> Any:
         if not self._done:
-            self._result = self._after(self._inner.wait())
+            try:
+                got = self._inner.wait()
+            except BaseException:  # failed: its buffers go back, nothing was copied
+                self._release()
+                raise
+            self._result = self._after(got)
             self._done = True
         return self._result
 
@@ -148,7 +154,12 @@ class HostStaged(Communicator):
     # ---- the operations, staged ---------------------------------------------------------------
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
         host = self._pool.to_host(tensor)
-        return self._in_place(tensor, host, self._inner.all_reduce_mean_async(host))
+        try:
+            inner = self._inner.all_reduce_mean_async(host)
+        except BaseException:
+            self._pool.give(host)
+            raise
+        return self._in_place(tensor, host, inner)
 
     def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
                                         block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
@@ -168,19 +179,26 @@ class HostStaged(Communicator):
                 self._pool.back([host], [tensor])
             return result
 
-        return _Staged(self, inner, after)
+        return _Staged(self, inner, after, lambda: self._pool.give(host))
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
         host = self._pool.to_host(tensor)
         device = tensor.device
+        try:
+            inner = self._inner.all_gather_async(host)
+        except BaseException:
+            self._pool.give(host)
+            raise
 
         def after(result: Any) -> Any:
             self._pool.give(host)
             if is_skipped(result):
                 return result
-            return [r.to(device, non_blocking=True) for r in result]
+            # None: a replica that took no part (an elastic all-gather's outcome)
+            return [r.to(device, non_blocking=True) if r is not None else None
+                    for r in result]
 
-        return _Staged(self, self._inner.all_gather_async(host), after)
+        return _Staged(self, inner, after, lambda: self._pool.give(host))
 
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
                        out: Sequence[torch.Tensor] | None = None) -> Pending:
@@ -202,4 +220,5 @@ class HostStaged(Communicator):
             self._pool.give(host)
             return [dsts[i] if r is not None else None for i, r in enumerate(result)]
 
-        return _Staged(self, inner, after)
+        return _Staged(self, inner, after,
+                       lambda: [self._pool.give(b) for b in (host, *recv)])

@@ -293,10 +293,10 @@ class Trainer:
         """The training losses since the last evaluation, as numbers: those still on the
         device are read now, together (one wait)."""
         if self.unread_losses:
-            vals = torch.stack([torch.as_tensor(x, dtype=torch.float32, device="cpu")
-                                if not isinstance(x, torch.Tensor) else x.float()
-                                for x in self.unread_losses]).tolist()
-            self.state.last_train.extend(vals)
+            tensors = [x.float() for x in self.unread_losses if isinstance(x, torch.Tensor)]
+            read = iter(torch.stack(tensors).tolist() if tensors else [])
+            self.state.last_train.extend(next(read) if isinstance(x, torch.Tensor) else float(x)
+                                         for x in self.unread_losses)
             self.unread_losses.clear()
         return self.state.last_train
 
@@ -375,6 +375,7 @@ class Trainer:
                               f"pass --steps above it to train further")
         self.restore(sd)
         self.resumed_from = step
+        self.ckpt.saved_step = step  # on disk already: a stop right here saves nothing new
         if self.cfg.method.elastic:  # its own metrics file: a step's newest record counts
             print(f"noloco: replica {self.lay.replica}"
                   f"{f' stage {self.lay.stage}' if self.lay.stages > 1 else ''}: resuming "
@@ -521,7 +522,8 @@ class Trainer:
             self.ckpt.poll()
             faults.after_step(st.step, self.params, self.comm)
             if lay.rank == 0 and (last or (t.log_every > 0 and st.step % t.log_every == 0)
-                                  or st.step % t.eval_every == 0 or self.ckpt.due(st.step)):
+                                  or st.step % t.eval_every == 0
+                                  or self.ckpt.saved_step == st.step):
                 # `noloco status` and other terminals read the step from here
                 running.update(last_step=st.step, updated_at=time.time())
                 self.rundir.write_summary(running)
@@ -590,7 +592,7 @@ class Trainer:
         self.status.graceful = False  # a second signal from here on stops at once
         st = self.state
         if self.ckpt.enabled:
-            if not self.ckpt.due(st.step):  # else this step's own checkpoint is being written
+            if self.ckpt.saved_step != st.step:  # else this step's own is being written
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.wait()
             store = self.ctx.store
