@@ -136,7 +136,7 @@ def host_staged(device: torch.device, local_world: int) -> bool:
     return device.type == "cuda" and cuda_devices() < local_world
 
 
-def placement_line(spec: str, local_world: int, stages: int = 1) -> str | None:
+def placement_line(spec: str, local_world: int) -> str | None:
     """The start-up line that says where the workers train when GPUs are used, else None."""
     if not uses_cuda(spec):
         return None

@@ -389,7 +389,7 @@ class WandB:
 
 
 def gpu_summary(trainer: Any, tokens_per_second: float, peak: float) -> dict[str, Any]:
-    """Where the workers trained, what they held on the GPU (collective), and the model FLOPs
+    """Where the workers trained, what they held on the GPU, and the model FLOPs
     utilisation: tokens/s × training FLOPs per token ÷ the peak FLOP/s of the run's GPUs
     (noloco.footprint: 6·N + 12·L·d·s per token; the vendor's dense peak at the precision).
     ``peak``: the most GPU memory any worker allocated (gathered by the caller)."""
