@@ -524,10 +524,13 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
 def test_a_store_that_goes_away_is_one_line_not_a_traceback():
     import torch.distributed as dist
 
+    from noloco.config import Config
+    from noloco.spec import WorkerSpec
     from noloco.worker import WorkerStatus, classify
 
+    status = WorkerStatus(spec=WorkerSpec(Config()))
     code, kind, line, culprit = classify(dist.DistStoreError("wait timeout after 30000ms, "
-                                                             "keys: /x\nmore"), WorkerStatus())
+                                                             "keys: /x\nmore"), status)
     assert (code, kind, culprit) == (1, "comm", None)
     assert line == "noloco: error: the run's store is unreachable (wait timeout after 30000ms, " \
                    "keys: /x)"

@@ -31,11 +31,11 @@ def _nccl_rank(rank: int, world: int, port: int, out: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), NOLOCO_ATTEMPT="0")
+                      LOCAL_WORLD_SIZE=str(world))
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     lay = Layout(rank=rank, world=world, local_world=world, replica=rank, replicas=world)
-    ctx = init_distributed(lay, 20.0, device)
+    ctx = init_distributed(lay, 20.0, device, attempt=0)
     res: dict = {"backend": str(dist.get_backend_config())}
     # an exchange as the first operation of a fresh group
     comm = TorchCommunicator(list(range(world)), timeout=20.0)

@@ -310,15 +310,15 @@ def test_random_routing_carries_labels_and_retraces_gradients_on_two_replicas():
 # ---- a whole worker run: summary.json for P > 1 ----------------------------------------
 
 def _worker(rank: int, world: int, cfg_dict: dict) -> dict | None:
+    from noloco.spec import WorkerSpec
     from noloco.worker import run
-    return run(Config.from_dict(cfg_dict))
+    return run(WorkerSpec.under_torchrun(Config.from_dict(cfg_dict), rundir_ready=True))
 
 
 @pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(240)
 def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_path,
-                                                                          corpus,
-                                                                          monkeypatch):
+                                                                          corpus):
     from noloco.rundir import RunDir
 
     steps, sync_every, bsz, seq = 5, 2, 4, 32
@@ -329,7 +329,6 @@ def test_noloco_two_replicas_two_stages_worker_run_writes_a_right_summary(tmp_pa
     from noloco.cli import build_parser, config_from_args
     cfg = config_from_args(build_parser().parse_args(["train", *argv])).resolved()
     RunDir(tmp_path / "run").prepare(cfg, overwrite=False)
-    monkeypatch.setenv("NOLOCO_RUNDIR_READY", "1")
     run_ranks(_worker, 4, cfg.to_dict())
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -183,9 +183,11 @@ def train(ns: argparse.Namespace) -> int:
         print(f"noloco: warning: --steps {cfg.train.steps} ends before the first outer step "
               f"(after {first_sync} steps, --sync-every {m.sync_every}): the {m.replicas} "
               f"replicas will train independently", file=sys.stderr)
+    from noloco.spec import WorkerSpec
     if under_torchrun():
         from noloco.worker import main as worker_main
-        return worker_main(cfg, resume=resuming, must_resume=resuming)
+        return worker_main(WorkerSpec.under_torchrun(cfg, resume=resuming,
+                                                     must_resume=resuming))
     if cfg.method.elastic:
         from noloco.elastic.launcher import ElasticSupervisor
         sup = ElasticSupervisor(cfg, resuming, resuming)
@@ -205,7 +207,8 @@ def train(ns: argparse.Namespace) -> int:
             code = sup.run()
         else:
             from noloco.worker import main as worker_main
-            code = worker_main(cfg, resuming, resuming, rundir_ready=True)
+            code = worker_main(WorkerSpec.under_torchrun(cfg, resuming, resuming,
+                                                         rundir_ready=True))
     finally:
         if sup is not None:
             sup.starter.close()

@@ -17,7 +17,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from noloco import data as data_mod
 from noloco.comm import Communicator, NullCommunicator, TorchCommunicator
 from noloco.config import Config, ConfigError
 from noloco.errors import plural
+
+if TYPE_CHECKING:
+    from noloco.spec import WorkerSpec
 
 
 @dataclass
@@ -49,6 +52,13 @@ class Layout:
                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                    replica=rank // stages, stage=rank % stages, replicas=replicas,
                    stages=stages)
+
+    @classmethod
+    def of(cls, spec: WorkerSpec) -> Layout:
+        """The layout of the worker ``spec`` places."""
+        m = spec.config.method
+        return cls(rank=spec.rank, world=spec.world, local_world=spec.local_world,
+                   replica=spec.replica, stage=spec.stage, replicas=m.replicas, stages=m.stages)
 
     def stage_ranks(self, stage: int) -> list[int]:
         return [r * self.stages + stage for r in range(self.replicas)]
@@ -92,11 +102,6 @@ def gpu_memory_bytes(index: int = 0) -> int:
     return int(torch.cuda.get_device_properties(index).total_memory)
 
 
-HOST_STAGING_ENV = "NOLOCO_HOST_STAGING"
-"""``1``: stage every communicator's traffic through host buffers even on CPU (the same code
-as GPU workers that share a GPU: how the tests check it on a machine without one)"""
-
-
 def check_device(spec: str, local_world: int) -> None:
     """ConfigError if ``--device cuda`` cannot be honoured (no GPU at all). Workers may share
     GPUs: with fewer GPUs than local workers they are placed round-robin."""
@@ -127,11 +132,11 @@ def pick_device(spec: str, local_rank: int, local_world: int = 1) -> torch.devic
     return torch.device("cpu")
 
 
-def host_staged(device: torch.device, local_world: int) -> bool:
+def host_staged(device: torch.device, local_world: int, forced: bool = False) -> bool:
     """Whether this worker's traffic goes through gloo on host copies
     (:mod:`noloco.staging`): on a GPU that other local workers share (NCCL serves one rank
-    per device), or when :data:`HOST_STAGING_ENV` asks for it."""
-    if os.environ.get(HOST_STAGING_ENV) == "1":
+    per device), or when ``forced`` (:data:`noloco.spec.HOST_STAGING_ENV`)."""
+    if forced:
         return True
     return device.type == "cuda" and cuda_devices() < local_world
 
@@ -153,15 +158,16 @@ def placement_line(spec: str, local_world: int) -> str | None:
 
 # ---- process group and store -----------------------------------------------------------------
 
-def attempt_number(store: Any = None, rank: int = 0) -> int:
+def attempt_number(store: Any = None, rank: int = 0, known: int | None = None) -> int:
     """0 for a first start; k after the k-th restart.
 
-    Our launcher says which (``NOLOCO_ATTEMPT``). Under torchrun every rank number counts its
-    own starts in the store all nodes share: a restart starts every rank number once, so the
-    counts move in lockstep. (``TORCHELASTIC_RESTART_COUNT`` does not: each node's agent
-    counts only its own workers' failures, and a replacement node starts from 0.)"""
-    if os.environ.get("NOLOCO_ATTEMPT") is not None:
-        return int(os.environ["NOLOCO_ATTEMPT"])
+    Our launcher says which (``known``: the spec's attempt). Under torchrun every rank number
+    counts its own starts in the store all nodes share: a restart starts every rank number
+    once, so the counts move in lockstep. (``TORCHELASTIC_RESTART_COUNT`` does not: each
+    node's agent counts only its own workers' failures, and a replacement node starts from
+    0.)"""
+    if known is not None:
+        return known
     if store is not None:
         return store.add(f"noloco/starts/{rank}", 1) - 1
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
@@ -180,7 +186,7 @@ class DistContext:
 
 
 def init_distributed(lay: Layout, timeout_s: float, device: torch.device,
-                     staged: bool = False) -> DistContext:
+                     staged: bool = False, attempt: int | None = None) -> DistContext:
     """Join the process group of this attempt.
 
     The store is torchrun's (or our launcher's) agent store when the environment says so,
@@ -190,10 +196,10 @@ def init_distributed(lay: Layout, timeout_s: float, device: torch.device,
     (``connectFullMesh ... Connection refused`` on torch 2.13).
     """
     if lay.world == 1:
-        return DistContext(attempt=attempt_number())
+        return DistContext(attempt=attempt_number(known=attempt))
     if dist.is_initialized():  # a caller (a test) built the group already
         return DistContext(store=dist.distributed_c10d._get_default_store(),
-                           attempt=attempt_number())
+                           attempt=attempt_number(known=attempt))
     timeout = timedelta(seconds=timeout_s)
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
@@ -207,7 +213,7 @@ def init_distributed(lay: Layout, timeout_s: float, device: torch.device,
                              master_listen_fd=sock.detach())
     else:
         base = dist.TCPStore(host, port, lay.world, False, timeout)
-    attempt = attempt_number(base, lay.rank)
+    attempt = attempt_number(base, lay.rank, attempt)
     # On GPUs each worker owns, the methods' tensors go through NCCL; the small CPU tensors of
     # metrics and start-up checks through gloo, in the same process group. Workers that share
     # a GPU use gloo alone, on host copies (noloco.staging).

@@ -9,7 +9,8 @@
 The supervisor hosts the run's c10d ``TCPStore`` (the same store torchrun's agent hosts) on
 127.0.0.1 only, and starts each worker as ``python -m noloco.worker`` — forked from a warm
 parent that imported torch once (:mod:`noloco.warm`) — with torchrun's environment variables
-(plus ``NOLOCO_REPLICA`` / ``NOLOCO_STAGE``; ``ps`` shows a worker as ``noloco rRsS``).
+and its :class:`~noloco.spec.WorkerSpec` as its one argument (``ps`` shows a worker as
+``noloco rRsS``).
 Workers write heartbeats and, when they fail, a report into the store; gloo is bound to the
 loopback interface. It does what torchrun's agent does for one
 machine, plus what a user needs from a local run:
@@ -47,6 +48,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.config import Config
 from noloco.distributed import default_threads
 from noloco.rundir import RunDir
+from noloco.spec import WorkerSpec
 from noloco.warm import Starter, WarmProcess
 from noloco.watchdog import heartbeat_key
 
@@ -112,6 +114,8 @@ class Supervisor:
         self.procs: dict[int, subprocess.Popen | WarmProcess] = {}
         self.starter = Starter()
         """forks the workers from a warm parent (noloco.warm), closed when the run ends"""
+        self.spec = WorkerSpec.for_launcher(cfg, local_world=self.world)
+        """what every worker is told (each its own place and start: :meth:`WorkerSpec.but`)"""
 
     # ---- the run -----------------------------------------------------------------------------
     def host_store(self) -> None:
@@ -183,17 +187,15 @@ class Supervisor:
         self.starter.prestart(dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                                    NOLOCO_RUN=str(self.out.resolve())))
 
-    def _env(self, attempt: int) -> dict[str, str]:
+    def _env(self) -> dict[str, str]:
         threads = str(default_threads(self.world))
-        resume = self.resume or attempt > 0
         env = dict(os.environ)
+        # torchrun's variables (the worker's own settings are its spec: noloco.spec), and
+        # NOLOCO_RUN, which names the run's processes for whoever looks (nothing reads it).
         env.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.port), WORLD_SIZE=str(self.world),
             LOCAL_WORLD_SIZE=str(self.world), GROUP_RANK="0",
-            TORCHELASTIC_USE_AGENT_STORE="True", NOLOCO_ATTEMPT=str(attempt),
-            NOLOCO_SUPERVISED="1", NOLOCO_RUNDIR_READY="1", NOLOCO_LAUNCHER_PID=str(os.getpid()),
-            NOLOCO_RUN=str(self.out.resolve()), NOLOCO_RESUME="1" if resume else "0",
-            NOLOCO_RESUME_REQUIRED="1" if attempt == 0 and self.must_resume else "0",
+            TORCHELASTIC_USE_AGENT_STORE="True", NOLOCO_RUN=str(self.out.resolve()),
             # Children inherit these before torch starts its thread pools.
             OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
             # Every listener of a local run on 127.0.0.1: gloo and NCCL bind to loopback.
@@ -205,14 +207,14 @@ class Supervisor:
         if self.signum is not None:  # interrupted while the last attempt was being stopped
             return Outcome("interrupted", code=128 + self.signum,
                            last_step=self._last_step(attempt - 1, self._reports(attempt - 1)))
-        base = self._env(attempt)
-        cfg_json = json.dumps(self.cfg.to_dict())
+        base = self._env()
+        spec = self.spec.but(attempt=attempt, resume=self.resume or attempt > 0,
+                             must_resume=attempt == 0 and self.must_resume)
         self.procs = {}
         for rank in range(self.world):
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
-                       NOLOCO_REPLICA=str(rank // self.stages),
-                       NOLOCO_STAGE=str(rank % self.stages))
-            self.procs[rank] = self.starter.start([cfg_json], env)
+            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
+            self.procs[rank] = self.starter.start([spec.but(rank=rank, local_rank=rank).to_json()],
+                                                  env)
         failed: list[tuple[int, int]] = []  # (rank, exit code) in the order noticed
         first_at = None
         while True:

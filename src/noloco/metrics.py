@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from noloco.comm import Communicator, flatten
-from noloco.staging import HostStaged
 
 
 def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: float | None,
@@ -403,7 +402,7 @@ def gpu_summary(trainer: Any, tokens_per_second: float, peak: float) -> dict[str
     return {"name": torch.cuda.get_device_name(trainer.device),
             "gpus": distributed.cuda_devices(),
             "workers_per_gpu": distributed.workers_per_gpu(lay.local_world),
-            "host_staged": distributed.host_staged(trainer.device, lay.local_world),
+            "host_staged": trainer.host_staged,
             "peak_memory_bytes": int(peak),
             "estimated_bytes_per_worker": est,
             "flops_per_token": terms["flops_per_token"],
@@ -515,7 +514,7 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         # The largest resident set of any worker over the run (Linux reports kB).
         "peak_rss_bytes": int(gather_scalars(trainer.world, lay, [_peak_rss_bytes()], "max")[0]),
         "device": str(trainer.device),
-        "host_staged": isinstance(trainer.comm, HostStaged),
+        "host_staged": trainer.host_staged,
         "torch": torch.__version__,
         "resumed_from_step": trainer.resumed_from,
         "attempt": trainer.ctx.attempt,

@@ -41,6 +41,7 @@ from noloco.metrics import (
 from noloco.model import Forward, autocast, build, count_params, lm_loss, preset
 from noloco.optim import build_inner
 from noloco.rundir import RunDir
+from noloco.staging import HostStaged
 from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
 
@@ -167,7 +168,8 @@ class Trainer:
         self.cfg, self.lay, self.device, self.threads = cfg, lay, device, threads
         self.rundir, self.ctx = rundir, ctx
         self.status = status
-        """the worker's :class:`noloco.worker.WorkerStatus`: the loop keeps its step current"""
+        """the worker's :class:`noloco.worker.WorkerStatus` (its spec, :mod:`noloco.spec`):
+        the loop keeps its step current"""
         self.t_start = time.perf_counter()
         self.import_seconds = process_age_seconds()
         """from this process's start to here: mostly importing torch"""
@@ -205,6 +207,8 @@ class Trainer:
         self.membership: Any = None
         """an elastic run's :class:`noloco.elastic.Membership` (its heartbeats carry the step)"""
         self.comm, self.world = self.make_comms()
+        self.host_staged = isinstance(self.comm, HostStaged) or isinstance(self.world, HostStaged)
+        """whether this worker's traffic goes through host copies (noloco.staging)"""
         if lay.stages > 1:
             from noloco.pipeline import PipelineRunner
             self.runner: Any = PipelineRunner(model, cfg, self.pipeline_layout(), device)
@@ -259,7 +263,7 @@ class Trainer:
 
     def make_comms(self) -> tuple[Communicator, Communicator]:
         """(the method's communicator, the metrics communicator over all workers)"""
-        staged = host_staged(self.device, self.lay.local_world)
+        staged = host_staged(self.device, self.lay.local_world, self.status.spec.host_staging)
         return make_comms(self.cfg, self.lay, self.device if staged else None)
 
     def pipeline_layout(self) -> Layout:
@@ -459,7 +463,7 @@ class Trainer:
         self.status.graceful = (cfg.method.elastic and lay.stages == 1) or (
             not cfg.method.elastic and (
                 lay.world == 1 or (self.ctx.store is not None
-                                   and (os.environ.get("NOLOCO_SUPERVISED") == "1"
+                                   and (self.status.spec.supervised
                                         or "TORCHELASTIC_RUN_ID" in os.environ))))
         self.t_loop = time.perf_counter()
         comm, method, inner, runner = self.comm, self.method, self.inner, self.runner

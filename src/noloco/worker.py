@@ -4,7 +4,8 @@
 this start resumes, and trains (:mod:`noloco.train`). :func:`main` turns every way a worker
 can end into an exit code, one line, a report in the run's store for the local launcher
 (:mod:`noloco.launch`), and — without one — the run's status in summary.json.
-``python -m noloco.worker CONFIG_JSON`` is how the local launcher starts a worker.
+``python -m noloco.worker SPEC_JSON`` is how the local launcher starts a worker
+(:mod:`noloco.spec`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from noloco.distributed import (
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, Interrupted, StoreLost, Superseded
 from noloco.exiting import exit_now
 from noloco.rundir import RunDir, os_error_line
+from noloco.spec import WorkerSpec
 from noloco.train import Trainer, check_identical_start
 
 
@@ -44,6 +46,7 @@ from noloco.train import Trainer, check_identical_start
 class WorkerStatus:
     """What the error path needs to know about a worker that stopped."""
 
+    spec: WorkerSpec
     lay: Layout = field(default_factory=Layout)
     step: int = 0
     out: str = ""
@@ -57,31 +60,20 @@ class WorkerStatus:
     """when the stop signal came (monotonic seconds)"""
 
 
-def run(cfg: Config, resume: bool = False, must_resume: bool = False,
-        status: WorkerStatus | None = None, rundir_ready: bool = False
-        ) -> dict[str, Any] | None:
-    """Run one worker of the job ``cfg`` describes (rank from torchrun's environment).
-
-    ``resume``: continue from the newest complete checkpoint in the run directory (if there
-    is none: start afresh, unless ``must_resume``). ``rundir_ready``: a launcher prepared the
-    run directory (else rank 0 does; also said by ``NOLOCO_RUNDIR_READY=1``). Returns rank
-    0's summary.
-    """
-    status = status or WorkerStatus()
-    if cfg.method.elastic:
-        if os.environ.get("NOLOCO_ELASTIC") != "1":
-            raise ConfigError("--elastic does not run under torchrun: across machines, start "
-                              "`noloco coordinator` and `noloco train --elastic --coordinator "
-                              "HOST:PORT --replica-ids ...` on each (docs/elastic.md)")
+def run(spec: WorkerSpec, status: WorkerStatus | None = None) -> dict[str, Any] | None:
+    """Run one worker of the job ``spec`` describes. Returns rank 0's summary."""
+    status = status or WorkerStatus(spec=spec)
+    if spec.elastic:
         from noloco.elastic import worker as elastic_worker
-        return elastic_worker.run(cfg, status, resume)
-    cfg = cfg.resolved()
+        return elastic_worker.run(spec, status)
+    cfg = spec.config
     m, t = cfg.method, cfg.train
-    lay = Layout.from_env(m.replicas, m.stages)
+    lay = Layout.of(spec)
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
-    device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", 0)), lay.local_world)
-    ctx = init_distributed(lay, m.comm_timeout, device, host_staged(device, lay.local_world))
+    device = pick_device(t.device, spec.local_rank, lay.local_world)
+    ctx = init_distributed(lay, m.comm_timeout, device,
+                           host_staged(device, lay.local_world, spec.host_staging), spec.attempt)
     status.store, status.attempt = ctx.store, ctx.attempt
     rundir = RunDir(Path(t.out))
     trainer = None
@@ -90,9 +82,8 @@ def run(cfg: Config, resume: bool = False, must_resume: bool = False,
         # The pieces first (bad data fails here, before anything is written), then the run
         # directory.
         trainer = Trainer(cfg, lay, device, threads, rundir, ctx, status)
-        ready = rundir_ready or os.environ.get("NOLOCO_RUNDIR_READY") == "1"
-        resume, required = _prepare_rundir(cfg, lay, rundir, resume, must_resume, ready,
-                                           ctx.attempt, trainer.world)
+        resume, required = _prepare_rundir(cfg, lay, rundir, spec.resume, spec.must_resume,
+                                           spec.rundir_ready, ctx.attempt, trainer.world)
         if resume:
             trainer.resume(required=required)
         else:
@@ -218,17 +209,16 @@ def classify(e: BaseException, status: WorkerStatus) -> tuple[int, str, str, int
     return 1, "crash", f"noloco: error: {type(e).__name__}: {e}", status.lay.rank
 
 
-def main(cfg: Config, resume: bool = False, must_resume: bool = False,
-         rundir_ready: bool = False) -> int:
+def main(spec: WorkerSpec) -> int:
     """A worker process from start to exit code. Errors end as one line (a bug also with its
     traceback); the run directory's summary.json says how the run ended.
 
-    Under our local launcher (``NOLOCO_SUPERVISED=1``) the worker only reports to the store
-    and the launcher speaks for the run; elsewhere (one process, torchrun) rank 0 writes the
+    Under our local launcher (``spec.supervised``) the worker only reports to the store and
+    the launcher speaks for the run; elsewhere (one process, torchrun) rank 0 writes the
     run's status and every worker prints its own error line.
     """
-    supervised = os.environ.get("NOLOCO_SUPERVISED") == "1"
-    status = WorkerStatus(out=cfg.train.out)
+    supervised = spec.supervised
+    status = WorkerStatus(spec=spec, out=spec.config.train.out)
     # Only the main thread may install handlers (a test may call main from another).
     handle = threading.current_thread() is threading.main_thread()
 
@@ -254,7 +244,7 @@ def main(cfg: Config, resume: bool = False, must_resume: bool = False,
             signal.signal(s, h)
 
     try:
-        run(cfg, resume, must_resume, status, rundir_ready)
+        run(spec, status)
         restore()
         return 0
     except BaseException as e:  # noqa: BLE001 - every ending becomes an exit code
@@ -333,24 +323,17 @@ def die_with(parent: int) -> None:
         os._exit(1)  # the parent ended before the line above took effect
 
 
-def _die_with_launcher() -> None:
-    """A worker of the local launcher never outlives it (no orphans when it is killed)."""
-    die_with(int(os.environ.get("NOLOCO_LAUNCHER_PID", os.getppid())))
-
-
-def entry(args: list[str]) -> int:
+def entry(args: list[str], fresh: bool = False) -> int:
     """A worker of a local launcher (:mod:`noloco.launch`, :mod:`noloco.elastic.launcher`),
-    fresh or forked from a warm parent (:mod:`noloco.warm`): ``args`` = [the resolved config
-    as JSON]; its place in the run in the environment."""
-    if "NOLOCO_REPLICA" in os.environ:
-        set_process_name(process_name(int(os.environ["NOLOCO_REPLICA"]),
-                                      int(os.environ.get("NOLOCO_STAGE", 0))))
-    return main(Config.from_dict(json.loads(args[0])),
-                resume=os.environ.get("NOLOCO_RESUME") == "1",
-                must_resume=os.environ.get("NOLOCO_RESUME_REQUIRED") == "1",
-                rundir_ready=os.environ.get("NOLOCO_RUNDIR_READY") == "1")
+    fresh (``fresh``: it dies with its launcher, no orphans when that is killed) or forked
+    from a warm parent (:mod:`noloco.warm`, which it dies with): ``args`` = [its
+    :class:`~noloco.spec.WorkerSpec` as JSON]."""
+    spec = WorkerSpec.from_json(args[0])
+    if fresh:
+        die_with(spec.launcher_pid if spec.launcher_pid is not None else os.getppid())
+    set_process_name(process_name(spec.replica, spec.stage))
+    return main(spec)
 
 
 if __name__ == "__main__":
-    _die_with_launcher()
-    exit_now(entry(sys.argv[1:]))
+    exit_now(entry(sys.argv[1:], fresh=True))

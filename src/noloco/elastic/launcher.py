@@ -256,21 +256,22 @@ class ElasticSupervisor(Supervisor):
 
     def _start_worker(self, replica: int, stage: int, rank: int) -> Any:
         local_rank = self.local.index(replica) * self.stages + stage
-        env = dict(self._env(0), RANK=str(rank), LOCAL_RANK=str(local_rank),
-                   LOCAL_WORLD_SIZE=str(len(self.local) * self.stages),
-                   NOLOCO_REPLICA=str(replica), NOLOCO_STAGE=str(stage), NOLOCO_ELASTIC="1")
+        local_world = len(self.local) * self.stages
+        env = dict(self._env(), RANK=str(rank), LOCAL_RANK=str(local_rank),
+                   LOCAL_WORLD_SIZE=str(local_world))
+        t = self.cfg.train
         if self.coordinator is not None:
             # Across machines: the coordinator's store, and gloo on the interface the user
             # names (GLOO_SOCKET_IFNAME) or the one the hostname resolves to — not loopback.
-            env.update(MASTER_ADDR=self.coordinator[0], MASTER_PORT=str(self.coordinator[1]))
-            if self.cfg.train.coordinator.startswith(SCHEME):
-                env["NOLOCO_STORE"] = self.cfg.train.coordinator
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 if var in os.environ:
                     env[var] = os.environ[var]
                 else:
                     env.pop(var, None)
-        return self.starter.start([json.dumps(self.cfg.to_dict())], env)
+        spec = self.spec.but(rank=rank, local_rank=local_rank, local_world=local_world,
+                             elastic=True, resume=self.resume,
+                             store=t.coordinator or f"127.0.0.1:{self.port}")
+        return self.starter.start([spec.to_json()], env)
 
     def _step(self, replica: int) -> int:
         """The last step the replica is known to have reached: its beat (which may lag the

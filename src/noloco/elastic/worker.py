@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from noloco import checkpoint as ckpt_mod
+from noloco.addresses import ETCD_SCHEME, parse_address
 from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
 from noloco.distributed import DistContext, Layout, host_staged, limit_threads, pick_device
@@ -46,6 +46,7 @@ from noloco.elastic.membership import Membership
 from noloco.integrity import Sealer, payload_key
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
+from noloco.spec import WorkerSpec
 from noloco.staging import HostStaged
 from noloco.train import AVERAGED_METHODS, Trainer, make_checkpointer
 
@@ -111,7 +112,8 @@ class ElasticTrainer(Joining, Trainer):
             comm.sealer = Sealer(payload_key(secret))
         # Elastic traffic is gloo's (it crosses the internet): a GPU's tensors go through
         # host buffers (noloco.staging).
-        if self.device.type == "cuda" or host_staged(self.device, self.lay.local_world):
+        if self.device.type == "cuda" or host_staged(self.device, self.lay.local_world,
+                                                     self.status.spec.host_staging):
             return HostStaged(comm, self.device), NullCommunicator()
         return comm, NullCommunicator()
 
@@ -194,32 +196,26 @@ class ElasticTrainer(Joining, Trainer):
         return summary
 
 
-def run(cfg: Config, status: Any, resume: bool = False) -> dict[str, Any] | None:
-    """One replica of an elastic run, under the local launcher (its store, its environment:
-    ``RANK`` is the replica, ``NOLOCO_INCARNATION`` how many times it was started before).
-    ``resume`` (``--resume``): its first life continues from its own newest checkpoint (none:
-    it joins from a live replica, as a respawned one does); a later life joins, as always."""
-    cfg = cfg.resolved()
+def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
+    """One replica (stage) of an elastic run, as ``spec`` places it (its store:
+    ``spec.store``). ``spec.resume`` (``--resume``): its first life continues from its own
+    newest checkpoint (none: it joins from a live replica, as a respawned one does); a later
+    life joins, as always."""
+    cfg = spec.config
     m, t = cfg.method, cfg.train
-    replica = int(os.environ["NOLOCO_REPLICA"])
-    stage = int(os.environ.get("NOLOCO_STAGE", "0"))
-
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", m.replicas * m.stages))
-    lay = Layout(rank=replica * m.stages + stage, world=m.replicas * m.stages,
-                 local_world=local_world, replica=replica, stage=stage, replicas=m.replicas,
-                 stages=m.stages)
+    lay = Layout.of(spec)
+    replica, stage = lay.replica, lay.stage
     status.lay, status.out = lay, t.out
     threads = limit_threads(lay.local_world, t.threads)
-    device = pick_device(t.device, int(os.environ.get("LOCAL_RANK", replica)), lay.local_world)
-    # The run's store: NOLOCO_STORE (an etcd cluster), else the launcher's or coordinator's
-    # TCPStore at MASTER_ADDR:MASTER_PORT.
-    address = os.environ.get("NOLOCO_STORE") or (
-        f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-    if t.coordinator and "NOLOCO_STORE" not in os.environ:  # a coordinator's gate
-        auth.use_secret(auth.load_secret(t.secret_file))
-    if "NOLOCO_STORE" not in os.environ:
-        wait_reachable(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                       m.comm_timeout)
+    device = pick_device(t.device, spec.local_rank, lay.local_world)
+    # The run's store: an etcd cluster, else the launcher's or coordinator's TCPStore.
+    address = spec.store
+    if address is None:
+        raise ValueError("an elastic worker's spec names no store")  # launchers name it
+    if not address.startswith(ETCD_SCHEME):
+        if t.coordinator:  # a coordinator's gate
+            auth.use_secret(auth.load_secret(t.secret_file))
+        wait_reachable(*parse_address(address), m.comm_timeout)
     # Every key under the run's id and epoch (a coordinator may serve many runs, and restart);
     # from here every request has a deadline (connecting above waited for a coordinator that
     # may start after this machine): a partition holds no request longer than the peer
@@ -248,7 +244,7 @@ def run(cfg: Config, status: Any, resume: bool = False) -> dict[str, Any] | None
                                  membership)
         if incarnation > 0:
             trainer.join()
-        elif resume:
+        elif spec.resume:
             trainer.resume(required=False)
             if trainer.resumed_from is None:  # it never saved: it joins the others instead
                 trainer.join()
