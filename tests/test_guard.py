@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from run_utils import SMALL, cli, summary
 
-from noloco.elastic.join import BadState, Joining
+from noloco.elastic.join import BadState, Joiner
 from noloco.errors import ConfigError
 from noloco.faults import parse_faults
 from noloco.guard import UpdateGuard, all_finite, distance
@@ -176,18 +176,19 @@ def test_elastic_rejections_are_listed_per_replica(tmp_path, corpus):
 
 # ---- state transfers: checked before they are allocated or used ----------------------------
 
-def _joiner(model: torch.nn.Module, store) -> SimpleNamespace:
-    """What Joining._receive_state and _check_state read of a joining replica."""
+def _joiner(model: torch.nn.Module, store) -> Joiner:
+    """The join component of a replica, on what _receive_state and _check_state read of its
+    trainer."""
     from noloco.comm import NullCommunicator
     from noloco.methods import NoLoCo
 
     method = NoLoCo(model, NullCommunicator(), sync_every=2)
     runner = SimpleNamespace(named_parameters=lambda: list(model.named_parameters()))
-    j = SimpleNamespace(runner=runner, method=method, params=list(model.parameters()),
-                        membership=SimpleNamespace(store=store),
-                        _transfer_timeout=lambda: 20.0)
-    j._check_state = lambda state: Joining._check_state(j, state)
-    j._copies = lambda: Joining._copies(j)
+    j = Joiner(SimpleNamespace(replica=0, ns=None, store=store if store is not None
+                               else SimpleNamespace(add=lambda key, n: 0)))
+    j.attach(SimpleNamespace(
+        runner=runner, method=method, params=list(model.parameters()),
+        cfg=SimpleNamespace(method=SimpleNamespace(peer_timeout=5.0, comm_timeout=20.0))))
     return j
 
 
@@ -212,7 +213,7 @@ def test_a_declared_state_size_beyond_the_model_is_refused_before_allocating():
     try:
         with pytest.raises(BadState, match=r"declared 1125899906842624 bytes; this model's "
                                            r"state takes at most \d+"):
-            Joining._receive_state(j, "t1", 0)
+            j._receive_state("t1", 0)
     finally:
         donor.wait(30)
 
@@ -221,16 +222,16 @@ def test_a_state_of_another_shape_or_with_a_nan_is_refused():
     model = torch.nn.Linear(4, 4)
     j = _joiner(model, None)
     good = {"model": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "method": j.method.state_dict()}
-    Joining._check_state(j, good)  # this model's own state passes
+            "method": j.trainer.method.state_dict()}
+    j._check_state(good)  # this model's own state passes
     wrong = {**good, "model": {**good["model"], "weight": torch.zeros(1)}}
     with pytest.raises(BadState, match=r"its weight is not shaped \(4, 4\)"):
-        Joining._check_state(j, wrong)  # copy_ would have broadcast it
+        j._check_state(wrong)  # copy_ would have broadcast it
     nan = {**good, "model": {**good["model"], "bias": torch.full((4,), math.nan)}}
     with pytest.raises(BadState, match="its bias is not finite"):
-        Joining._check_state(j, nan)
+        j._check_state(nan)
     phi = {**good, "method": {**good["method"], "phi": [torch.zeros(3)]}}
     with pytest.raises(BadState, match="slow weights of fragment 0"):
-        Joining._check_state(j, phi)
+        j._check_state(phi)
     with pytest.raises(BadState, match="not a state"):
-        Joining._check_state(j, ["junk"])
+        j._check_state(["junk"])

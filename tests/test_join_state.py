@@ -13,30 +13,30 @@ import torch
 
 from noloco.comm import NullCommunicator
 from noloco.config import Config, MethodConfig
-from noloco.elastic.join import Joining, join_streams
+from noloco.elastic.join import Joiner, join_streams
 from noloco.methods import build_method
 
 
-class Replica(Joining):
-    """The parts of an elastic trainer a join touches: a model, its method, counters."""
-
-    def __init__(self, method: str, seed: int) -> None:
-        torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
-        cfg = Config(method=MethodConfig(method=method, sync_every=4, replicas=2))
-        cfg = cfg.resolved().method
-        self.method = build_method(cfg, list(self.model.named_parameters()),
-                                   NullCommunicator())
-        self.runner = SimpleNamespace(named_parameters=self.model.named_parameters)
-        self.params = list(self.model.parameters())
-        self.comm = SimpleNamespace(calls=3, commits=2, behind=True, unsure=False,
-                                    back=lambda: None)
-        self.state = SimpleNamespace(step=8)
-        self.status = SimpleNamespace(step=8)
-        self.membership = SimpleNamespace(step=8)
-        self.lay = SimpleNamespace(replica=0, rank=0)
-        self.cfg = SimpleNamespace(train=SimpleNamespace(seed=0))
-        self.resumed_from = None
+def replica(method: str, seed: int) -> Joiner:
+    """The join component of a replica, on the parts of a trainer a join touches: a model, its
+    method, counters."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    cfg = Config(method=MethodConfig(method=method, sync_every=4, replicas=2))
+    cfg = cfg.resolved().method
+    trainer = SimpleNamespace(
+        model=model,
+        method=build_method(cfg, list(model.named_parameters()), NullCommunicator()),
+        runner=SimpleNamespace(named_parameters=model.named_parameters),
+        params=list(model.parameters()),
+        comm=SimpleNamespace(calls=3, commits=2, behind=True, unsure=False, back=lambda: None),
+        state=SimpleNamespace(step=8), status=SimpleNamespace(step=8),
+        lay=SimpleNamespace(replica=0, rank=0), cfg=SimpleNamespace(train=SimpleNamespace(seed=0)),
+        resumed_from=None)
+    joiner = Joiner(SimpleNamespace(step=8, replica=0, ns=None,
+                                    store=SimpleNamespace(add=lambda key, n: 0)))
+    joiner.attach(trainer)
+    return joiner
 
 
 def wire_bytes(state: dict) -> int:
@@ -47,19 +47,19 @@ def wire_bytes(state: dict) -> int:
 
 @pytest.mark.parametrize("method", ["diloco", "noloco"])
 def test_slow_weights_equal_to_the_model_are_sent_once(method):
-    donor, joiner = Replica(method, 0), Replica(method, 1)
+    donor, joiner = replica(method, 0), replica(method, 1)
     fresh = donor.live_state()  # φ = θ, as right after an outer step
     assert fresh["phi_is_model"] == [0] and fresh["method"]["phi"] == [None]
     joiner._adopt(fresh, None)
     assert joiner.checksum() == donor.checksum()  # model, φ and outer momentum: the donor's
     with torch.no_grad():  # an inner step later: φ ≠ θ, sent in full
-        for p in donor.model.parameters():
+        for p in donor.trainer.model.parameters():
             p.add_(0.01)
     moved = donor.live_state()
     assert moved["phi_is_model"] == []
     joiner._adopt(moved, None)
     assert joiner.checksum() == donor.checksum()
-    weights = sum(p.numel() for p in donor.params) * 4
+    weights = sum(p.numel() for p in donor.trainer.params) * 4
     assert wire_bytes(moved) - wire_bytes(fresh) >= weights  # one copy of the weights less
 
 

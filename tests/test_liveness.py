@@ -14,6 +14,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
@@ -294,7 +295,7 @@ def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, cor
 def test_donors_are_never_behind_and_the_checksum_covers_the_outer_momentum(store):
     import torch
 
-    from noloco.elastic.join import Joining, tensors_of
+    from noloco.elastic.join import Joiner, tensors_of
 
     members = [Membership(store, r, 3, peer_timeout=5.0) for r in range(3)]
     for m in members:
@@ -324,14 +325,10 @@ def test_donors_are_never_behind_and_the_checksum_covers_the_outer_momentum(stor
         def state_dict(self):
             return self.sd
 
-    class Replica(Joining):
-        def __init__(self) -> None:
-            self.params = [torch.ones(2)]
-            self.method = Method()
-
-    r = Replica()
+    r = Joiner(SimpleNamespace(replica=0, ns=None, store=store))
+    r.attach(SimpleNamespace(params=[torch.ones(2)], method=Method()))
     before = r.checksum()
-    r.method.sd["outer"][0]["state"][0]["momentum_buffer"][1] = 1e-3
+    r.trainer.method.sd["outer"][0]["state"][0]["momentum_buffer"][1] = 1e-3
     assert r.checksum() != before
     assert [t.numel() for t in tensors_of({"b": [torch.zeros(2)], "a": torch.zeros(1)})] == [1, 2]
 

@@ -255,7 +255,7 @@ def _elastic_steps(cfg: Config) -> list[int]:
     """The newest complete checkpoint of each of this machine's replicas (of one stage) that
     has one, newest first: each resumes from its own."""
     from noloco.config import local_replicas
-    from noloco.elastic.worker import newest_checkpoints
+    from noloco.elastic.files import newest_checkpoints
 
     newest = newest_checkpoints(Path(cfg.train.out),
                                 local_replicas(cfg.train.replica_ids, cfg.method.replicas))

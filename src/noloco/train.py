@@ -16,7 +16,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -159,14 +159,48 @@ def make_checkpointer(cfg: Config, root: Path, rank: int, world: int, store: Any
                                  align=cfg.method.sync_every or 1)
 
 
+class Elastic(Protocol):
+    """What an elastic run adds to the trainer, asked at a few points of the one loop
+    (:class:`noloco.elastic.worker.ElasticReplica`); None in a static run."""
+
+    membership: Any
+    """its :class:`noloco.elastic.Membership` (heartbeats carry the step)"""
+
+    def attach(self, trainer: Trainer) -> None:
+        """The trainer it serves, once every piece of it is built."""
+
+    def make_comms(self, cfg: Config, device: torch.device, staged: bool
+                   ) -> tuple[Communicator, Communicator]:
+        """(the method's communicator, the metrics communicator)"""
+
+    def pipeline_layout(self, lay: Layout) -> Layout:
+        """The layout a replica's pipeline stages run in."""
+
+    def checkpoint_root(self) -> Path:
+        """Where this replica saves and resumes alone."""
+
+    def between_steps(self) -> None:
+        """Before every inner step: serve joins, heal (may move the step)."""
+
+    def record(self, step: int, val: float | None, losses: list[float], log: Progress
+               ) -> dict[str, Any]:
+        """An evaluation's record, kept by this replica alone."""
+
+    def end(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """After the final evaluation ``rec``: the replica's own weights and summary."""
+
+
 class Trainer:
-    """One worker's training: the pieces, the loop, and what a checkpoint holds."""
+    """One worker's training: the pieces, the loop, and what a checkpoint holds. ``elastic``:
+    the component of an elastic replica (:class:`Elastic`), None in a static run."""
 
     def __init__(self, cfg: Config, lay: Layout, device: torch.device, threads: int,
-                 rundir: RunDir, ctx: DistContext, status: Any) -> None:
+                 rundir: RunDir, ctx: DistContext, status: Any,
+                 elastic: Elastic | None = None) -> None:
         m, d, o, t = cfg.method, cfg.data, cfg.optim, cfg.train
         self.cfg, self.lay, self.device, self.threads = cfg, lay, device, threads
         self.rundir, self.ctx = rundir, ctx
+        self.elastic = elastic
         self.status = status
         """the worker's :class:`noloco.worker.WorkerStatus` (its spec, :mod:`noloco.spec`):
         the loop keeps its step current"""
@@ -204,14 +238,15 @@ class Trainer:
             n_layers = self.args.n_layers
         self.model_module = model
         self.n_params_total = count_params(model)
-        self.membership: Any = None
-        """an elastic run's :class:`noloco.elastic.Membership` (its heartbeats carry the step)"""
+        self.membership = elastic.membership if elastic is not None else None
         self.comm, self.world = self.make_comms()
         self.host_staged = isinstance(self.comm, HostStaged) or isinstance(self.world, HostStaged)
         """whether this worker's traffic goes through host copies (noloco.staging)"""
         if lay.stages > 1:
             from noloco.pipeline import PipelineRunner
-            self.runner: Any = PipelineRunner(model, cfg, self.pipeline_layout(), device)
+            self.runner: Any = PipelineRunner(
+                model, cfg, elastic.pipeline_layout(lay) if elastic is not None else lay,
+                device)
         else:
             self.runner = LocalRunner(model, device, t.precision, t.compile)
         self.params = self.runner.parameters()
@@ -229,8 +264,12 @@ class Trainer:
                                      m.stall_warning).start()
             for c in (self.comm, self.world, self.runner):
                 c.watchdog = self.watchdog
-        self.ckpt = make_checkpointer(cfg, rundir.path / "checkpoints", lay.rank, lay.world,
-                                      ctx.store)
+        if elastic is not None:
+            elastic.attach(self)  # (the pieces it reads are built)
+            self.ckpt = make_checkpointer(cfg, elastic.checkpoint_root(), 0, 1)
+        else:
+            self.ckpt = make_checkpointer(cfg, rundir.path / "checkpoints", lay.rank,
+                                          lay.world, ctx.store)
         self.state = LoopState()
         self.unread_losses: list[Any] = []
         """training losses of the steps since they were last read: device tensors (a
@@ -264,15 +303,9 @@ class Trainer:
     def make_comms(self) -> tuple[Communicator, Communicator]:
         """(the method's communicator, the metrics communicator over all workers)"""
         staged = host_staged(self.device, self.lay.local_world, self.status.spec.host_staging)
+        if self.elastic is not None:
+            return self.elastic.make_comms(self.cfg, self.device, staged)
         return make_comms(self.cfg, self.lay, self.device if staged else None)
-
-    def pipeline_layout(self) -> Layout:
-        """The layout the pipeline runs in (an elastic replica's stages are a world of their
-        own)."""
-        return self.lay
-
-    def between_steps(self) -> None:
-        """Called before every inner step (an elastic run serves joining replicas here)."""
 
     # ---- checkpoints ------------------------------------------------------------------------
     def mfu_terms(self) -> dict[str, float | None]:
@@ -371,7 +404,7 @@ class Trainer:
         if step is None:
             if required:
                 raise ConfigError(f"no complete checkpoint in {root} to resume from")
-            if self.lay.rank == 0 and not self.cfg.method.elastic:
+            if self.lay.rank == 0 and self.elastic is None:
                 self.rundir.truncate_metrics(0)  # a restart before any checkpoint: anew
             return
         if step >= self.cfg.train.steps and required:
@@ -380,7 +413,7 @@ class Trainer:
         self.restore(sd)
         self.resumed_from = step
         self.ckpt.saved_step = step  # on disk already: a stop right here saves nothing new
-        if self.cfg.method.elastic:  # its own metrics file: a step's newest record counts
+        if self.elastic is not None:  # its own metrics file: a step's newest record counts
             print(f"noloco: replica {self.lay.replica}"
                   f"{f' stage {self.lay.stage}' if self.lay.stages > 1 else ''}: resuming "
                   f"from step {step}", file=sys.stderr, flush=True)
@@ -406,8 +439,22 @@ class Trainer:
     def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
         e0 = time.perf_counter()
         st = self.state
-        mine = self.runner.eval_loss(self.val)
+        mine = self.runner.eval_loss(self.val)  # None on a stage before the last
         losses = self.train_losses()
+        if self.elastic is not None:
+            rec = self.elastic.record(step, mine, losses, log)  # this replica's alone
+        else:
+            rec = self.record(step, mine, losses, log)
+        st.metric_lines += 1
+        st.last_eval_step = step
+        st.last_train.clear()
+        st.eval_s += time.perf_counter() - e0
+        return rec
+
+    def record(self, step: int, mine: float | None, losses: list[float], log: Progress
+               ) -> dict[str, Any]:
+        """The run's evaluation record, gathered from every worker (collective); rank 0
+        appends it to metrics.jsonl and the loggers."""
         train_loss = sum(losses) / len(losses) if losses else float("nan")
         rec = gather_metrics(self.lay, self.world, self.comm, mine, train_loss, self.params,
                              self.runner)
@@ -425,10 +472,6 @@ class Trainer:
                     self.wandb = WandB(str(self.cfg.train.out), self.cfg.to_dict(), step)
                 self.wandb.log(rec)
             log.eval_line(rec)
-        st.metric_lines += 1
-        st.last_eval_step = step
-        st.last_train.clear()
-        st.eval_s += time.perf_counter() - e0
         return rec
 
     def publish_step(self) -> None:
@@ -460,8 +503,9 @@ class Trainer:
         # on the step in its store). Elsewhere a signal may reach some workers only.
         # An elastic replica of one stage stops alone: it saves its own step (no agreement;
         # a resume takes each replica's own newest checkpoint).
-        self.status.graceful = (cfg.method.elastic and lay.stages == 1) or (
-            not cfg.method.elastic and (
+        elastic = self.elastic is not None
+        self.status.graceful = (elastic and lay.stages == 1) or (
+            not elastic and (
                 lay.world == 1 or (self.ctx.store is not None
                                    and (self.status.spec.supervised
                                         or "TORCHELASTIC_RUN_ID" in os.environ))))
@@ -477,7 +521,8 @@ class Trainer:
             self.evaluate(st.step, log)
         self.ckpt.start(st.step, self.loop_seconds())
         while st.step < t.steps:
-            self.between_steps()  # may move the step (an elastic replica catching up)
+            if self.elastic is not None:
+                self.elastic.between_steps()  # may move the step (a replica catching up)
             if st.step >= t.steps:
                 break
             step = st.step
@@ -622,6 +667,8 @@ class Trainer:
         method.finish()
         rec = self.evaluate(t.steps, log)
         log.close()
+        if self.elastic is not None:
+            return self.elastic.end(rec)  # its own weights and summary
         self.save_final_weights()  # ends with a barrier: every checkpoint write is done
         self.ckpt.prune()
         summary = run_summary(self, rec)

@@ -84,7 +84,7 @@ class ElasticCommunicator(Communicator):
         self.retries = 0
         self.behind = False
         """an all-reduce went on without this replica: its slow weights differ from the
-        quorum's until it takes theirs (:meth:`ElasticTrainer.heal`)"""
+        quorum's until it takes theirs (:meth:`noloco.elastic.join.Joiner.heal`)"""
         self.longest_wait = 0.0
         """the most seconds one operation blocked (arrival and transfer together)"""
         self.last_agree_seconds = 0.0

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,12 +28,13 @@ from noloco import checkpoint as ckpt_mod
 from noloco.comm import CommError
 from noloco.config import ConfigError
 from noloco.elastic.deadline import raw, store_errors
+from noloco.elastic.files import replica_checkpoints
 from noloco.elastic.keys import PREFIX, join_key, join_seen_key
-from noloco.elastic.membership import await_value, probe
+from noloco.elastic.membership import Membership, await_value, probe
 from noloco.errors import StoreLost, Superseded
 from noloco.guard import all_finite
 from noloco.integrity import TAG_BYTES, chunk_bounds
-from noloco.train import weights_checksum
+from noloco.train import Trainer, weights_checksum
 
 STATE_SLACK = 64 << 20
 """bytes a received state may hold beyond :data:`STATE_COPIES` copies of the model"""
@@ -88,27 +90,31 @@ def join_streams(own: dict[str, Any] | None, seed: int, rank: int, step: int) ->
     np.random.seed(key % 2**32)
 
 
-class Joining:
-    """The join and heal protocol of :class:`noloco.elastic.worker.ElasticTrainer` (a mixin:
-    it uses the trainer's membership, layout, state, method and optimizers)."""
+class Joiner:
+    """The join and heal protocol, from both ends: a component of an elastic replica
+    (:class:`noloco.elastic.worker.ElasticReplica`), attached to the one trainer it serves
+    (whose model, method, optimizers, state and communicator it reads and, joining, sets)."""
 
-    membership: Any
-    lay: Any
-    cfg: Any
-    state: Any
-    status: Any
-    comm: Any
-    method: Any
-    runner: Any
-    inner: Any
-    reader: Any
-    params: list[torch.Tensor]
-    joins: list[dict[str, Any]]
-    served: int
-    next_serve: int
-    generation: int
-    ckpt: Any
-    resumed_from: int | None
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.trainer: Trainer
+        """the trainer this replica's training runs in (set by :meth:`attach`)"""
+        self.joins: list[dict[str, Any]] = []
+        """what this replica donated, took (joined, healed) and refused"""
+        self.served = membership.store.add(join_key(membership.replica), 0)
+        """join requests this replica has served (as a donor; a respawned one skips those
+        made to its previous life)"""
+        self.next_serve = self.served
+        self.generation = membership.ns.generation if membership.ns is not None else 0
+        """the store's epochs this replica moved through (its join counters are the epoch's)"""
+
+    def attach(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def checkpoint_root(self) -> Path:
+        """Where this replica's (stage's) own checkpoints go: it saves and resumes alone."""
+        t = self.trainer
+        return replica_checkpoints(t.rundir.path, t.lay.replica, t.lay.stage, t.lay.stages)
 
     # ---- join: donor side ------------------------------------------------------------------
     def live_state(self) -> dict[str, Any]:
@@ -117,38 +123,40 @@ class Joining:
         :meth:`_adopt`). Slow weights equal to the fast ones — a DiLoCo replica between its
         outer step and its next inner step — are not sent twice: ``phi_is_model`` names those
         fragments, and the joiner rebuilds them from the model it receives."""
-        method = shared_state(self.method.state_dict())
-        frags = self.method.frags
+        method = shared_state(self.trainer.method.state_dict())
+        frags = self.trainer.method.frags
         same = [i for i, f in enumerate(frags) if f.numel() and torch.equal(f.slow(), f.fast())]
         if same:
             method = {**method, "phi": [None if i in same else phi
                                         for i, phi in enumerate(method["phi"])]}
-        return {"model": {n: p.detach().clone() for n, p in self.runner.named_parameters()},
-                "method": method, "phi_is_model": same, "comm_calls": self.comm.calls,
-                "comm_commits": self.comm.commits,
-                "step": self.state.step, "donor": self.lay.replica}
+        return {"model": {n: p.detach().clone() for n, p in self.trainer.runner.named_parameters()},
+                "method": method, "phi_is_model": same, "comm_calls": self.trainer.comm.calls,
+                "comm_commits": self.trainer.comm.commits,
+                "step": self.trainer.state.step, "donor": self.trainer.lay.replica}
 
     def _stop_without_store(self, silent: float) -> None:
         """Past ``--coordinator-timeout`` without the run's store: a checkpoint, then stop
         (the launcher does not start this replica again)."""
-        self.ckpt.save(self.state.step, self.capture())
-        self.ckpt.wait()
-        raise StoreLost(f"replica {self.lay.replica}: the run's store has not answered for "
+        self.trainer.ckpt.save(self.trainer.state.step, self.trainer.capture())
+        self.trainer.ckpt.wait()
+        raise StoreLost(f"replica {self.trainer.lay.replica}: the run's store has not answered for "
                         f"{silent:.0f} s (--coordinator-timeout "
-                        f"{self.cfg.train.coordinator_timeout:g}); saved a checkpoint at step "
-                        f"{self.state.step} and stopped")
+                        f"{self.trainer.cfg.train.coordinator_timeout:g}); saved a "
+                        f"checkpoint at step "
+                        f"{self.trainer.state.step} and stopped")
 
     def between_steps(self) -> None:
         m = self.membership
         if m.owner is not None:  # fenced: a newer process owns this replica's id
             raise Superseded(m.replica, m.stage, m.incarnation, m.owner)
-        m.behind = self.comm.behind  # a behind replica is no donor (its heartbeat says so)
-        m.commits = self.comm.commits
-        m.info.update(outer=self.method.outer_steps, blocked=round(self.comm.sync_seconds, 2),
+        m.behind = self.trainer.comm.behind  # a behind replica is no donor (its heartbeat says so)
+        m.commits = self.trainer.comm.commits
+        m.info.update(outer=self.trainer.method.outer_steps,
+                      blocked=round(self.trainer.comm.sync_seconds, 2),
                       joins=sum(j.get("kind") in ("joined", "healed") for j in self.joins))
         if m.cut_off():
             silent = time.monotonic() - m.last_beat
-            if silent > self.cfg.train.coordinator_timeout:
+            if silent > self.trainer.cfg.train.coordinator_timeout:
                 self._stop_without_store(silent)
             return  # cut off: nobody to heal from, nobody can ask (the others see it dead)
         if m.ns is not None and m.ns.generation != self.generation:
@@ -156,29 +164,29 @@ class Joining:
             # one is gone with it.
             self.generation = m.ns.generation
             self.served = self.next_serve = 0
-            self.comm.new_epoch()
+            self.trainer.comm.new_epoch()
         if m.broken:
             try:
                 m.renew()
             except Exception:  # noqa: BLE001 - the store is still out of reach: later
                 return
-        if self.comm.behind:
+        if self.trainer.comm.behind:
             m.nudge()
             try:
                 self.heal()
             except store_errors():  # cut off while healing: again once the store answers
                 m.broken = True
                 return
-            m.behind = self.comm.behind
+            m.behind = self.trainer.comm.behind
             m.nudge()  # healed: eligible for the very next snapshot
-        if self.lay.stages > 1:
+        if self.trainer.lay.stages > 1:
             try:
                 self._serve_staged()
             except store_errors():  # out of reach: the joiner asks another donor
                 m.broken = True
             return
         store = self.membership.store
-        counter = join_key(self.lay.replica)
+        counter = join_key(self.trainer.lay.replica)
         while self.served < self.membership.join_requests:
             self.served += 1
             tag = f"{counter}/{self.served}"
@@ -198,11 +206,12 @@ class Joining:
             except RuntimeError as e:  # the joiner died meanwhile: go on
                 if isinstance(e, store_errors()):
                     m.broken = True
-                print(f"noloco: replica {self.lay.replica}: a state transfer (request "
+                print(f"noloco: replica {self.trainer.lay.replica}: a state transfer (request "
                       f"{self.served}) failed ({str(e).splitlines()[0][:120]})",
                       file=sys.stderr, flush=True)
                 continue
-            self.joins.append({"kind": "donated", "to": req["replica"], "step": self.state.step,
+            self.joins.append({"kind": "donated", "to": req["replica"],
+                               "step": self.trainer.state.step,
                                "bytes": nbytes, "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum()})
 
@@ -212,7 +221,7 @@ class Joining:
         the step: the next one. No other stage can have passed it yet — a stage finishes a
         step only with stage 0's activations of that step — so every stage of this replica
         serves at exactly that step."""
-        store, lay = self.membership.store, self.lay
+        store, lay = self.membership.store, self.trainer.lay
         counter = join_key(lay.replica)
         if self.next_serve >= self.membership.join_requests:
             return  # nothing asked (the common case: no store round trip)
@@ -222,7 +231,7 @@ class Joining:
                 self.served += 1
                 if self._request(f"{counter}/{self.served}") is not None:
                     store.set(f"{counter}/serve/{self.served}",
-                              json.dumps({"step": self.state.step + 1}))
+                              json.dumps({"step": self.trainer.state.step + 1}))
                     fixed = True
             if fixed:
                 self._await_stages_looking()
@@ -231,11 +240,11 @@ class Joining:
             if not store.check([key]):
                 return
             at = json.loads(store.get(key))["step"]
-            if at > self.state.step:
+            if at > self.trainer.state.step:
                 return
             self.next_serve += 1
             n = self.next_serve
-            if at < self.state.step:  # cannot happen (see above); never serve a wrong step
+            if at < self.trainer.state.step:  # cannot happen (see above); never serve a wrong step
                 continue
             t0 = time.perf_counter()
             try:
@@ -245,7 +254,7 @@ class Joining:
                       f"failed ({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
                 continue
             self.joins.append({"kind": "donated", "request": n, "stage": lay.stage,
-                               "step": self.state.step, "bytes": nbytes,
+                               "step": self.trainer.state.step, "bytes": nbytes,
                                "seconds": time.perf_counter() - t0, "checksum": self.checksum()})
 
     def _await_stages_looking(self) -> None:
@@ -256,8 +265,8 @@ class Joining:
         stages finished this step already (a step ends on stage 0 with their gradients), so
         waiting here holds them before the step they serve at — the beats are at most a
         second apart."""
-        store, lay = self.membership.store, self.lay
-        deadline = time.monotonic() + self.cfg.method.peer_timeout
+        store, lay = self.membership.store, self.trainer.lay
+        deadline = time.monotonic() + self.trainer.cfg.method.peer_timeout
         for s in range(1, lay.stages):
             key = join_seen_key(lay.replica, s)
             while int((probe(store, key) or b"0").decode() or 0) < self.served \
@@ -267,14 +276,15 @@ class Joining:
     def _request(self, tag: str) -> dict[str, Any] | None:
         """A join request once the joiner has named itself (it counts itself in first, and
         may die in between): None if it never does within the timeout."""
-        got = await_value(self.membership.store, tag, self.cfg.method.peer_timeout)
+        got = await_value(self.membership.store, tag, self.trainer.cfg.method.peer_timeout)
         if got is None:
             return None
         req = json.loads(got)
-        sealer = self.comm.sealer
-        if sealer is not None and not sealer.signed(self.comm.context("join-request/" + tag),
+        sealer = self.trainer.comm.sealer
+        context = self.trainer.comm.context("join-request/" + tag)
+        if sealer is not None and not sealer.signed(context,
                                                     str(req.get("replica")), req.get("mac")):
-            print(f"noloco: replica {self.lay.replica}: join request {tag} failed its MAC: "
+            print(f"noloco: replica {self.trainer.lay.replica}: join request {tag} failed its MAC: "
                   f"ignored", file=sys.stderr, flush=True)
             return None
         return req
@@ -282,24 +292,25 @@ class Joining:
     def _ask(self, tag: str) -> str:
         """A join request (the joiner's id), signed when payloads carry MACs: the store is
         reached only through the gate, but this is what makes a donor send its whole state."""
-        req: dict[str, Any] = {"replica": self.lay.replica}
-        sealer = self.comm.sealer
+        req: dict[str, Any] = {"replica": self.trainer.lay.replica}
+        sealer = self.trainer.comm.sealer
         if sealer is not None:
-            req["mac"] = sealer.sign(self.comm.context("join-request/" + tag),
-                                     str(self.lay.replica))
+            req["mac"] = sealer.sign(self.trainer.comm.context("join-request/" + tag),
+                                     str(self.trainer.lay.replica))
         return json.dumps(req)
 
     def checksum(self) -> int:
         """Of the model and every tensor of the method's state — slow weights, outer
         momentum, syncs in flight — in a fixed order (the transfer is checked bit for bit
         with it: donor after sending, joiner after adopting)."""
-        return weights_checksum(self.params + tensors_of(shared_state(self.method.state_dict())))
+        t = self.trainer
+        return weights_checksum(t.params + tensors_of(shared_state(t.method.state_dict())))
 
     def _transfer_timeout(self) -> float:
         """A state transfer moves the whole model: it gets ``--comm-timeout`` (a slow link
         must not make every join fail), and at least the 3 × ``--peer-timeout`` a joiner of a
         pipeline allows the donor's stages to reach the step they serve at."""
-        m = self.cfg.method
+        m = self.trainer.cfg.method
         return max(3 * m.peer_timeout, m.comm_timeout)
 
     def _send_state(self, tag: str) -> int:
@@ -310,9 +321,9 @@ class Joining:
             dist.PrefixStore(tag + "/pg", raw(self.membership.store)), 0, 2,
             timedelta(seconds=self._transfer_timeout()))
         pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], 1, 0).wait()
-        sealer = self.comm.sealer
+        sealer = self.trainer.comm.sealer
         sent = blob
-        if self.comm.tamper:  # altered on the wire, after it was sealed
+        if self.trainer.comm.tamper:  # altered on the wire, after it was sealed
             sent = blob.clone()
             sent[-1] ^= 0xFF
         if sealer is None:
@@ -322,12 +333,13 @@ class Joining:
             # wire; the joiner hashes each chunk as it lands (noloco.integrity).
             chunks = chunk_bounds(blob.numel())
             works = [pg.send([sent[a:b]], 1, 1 + i) for i, (a, b) in enumerate(chunks)]
-            mac = sealer.seal(blob, self.comm.context("join/" + tag), self.lay.replica,
+            mac = sealer.seal(blob, self.trainer.comm.context("join/" + tag),
+                              self.trainer.lay.replica,
                               ["joiner"])[0]
             works.append(pg.send([mac], 1, 1 + len(chunks)))
             for w in works:
                 w.wait()
-            self.comm.mac_bytes += TAG_BYTES
+            self.trainer.comm.mac_bytes += TAG_BYTES
         # Both ends are connected (the joiner received): the rendezvous key is spent.
         self.membership.store.delete_key(f"{tag}/pg/0/0")
         return blob.numel() + 8
@@ -343,16 +355,16 @@ class Joining:
         # after an outage of the store that nobody could step through, everyone is marked
         # behind, yet every slow weight is alike and the next all-reduce takes everyone's
         # progress — taking one replica's state would throw the others' away.
-        unsure = self.cfg.method.method != "noloco" and self.comm.unsure
-        above = self.comm.commits if unsure else None
+        unsure = self.trainer.cfg.method.method != "noloco" and self.trainer.comm.unsure
+        above = self.trainer.comm.commits if unsure else None
         if self.membership.donors(above):
-            resumed_from = self.resumed_from
+            resumed_from = self.trainer.resumed_from
             # failed: again before the next step
             self.join(own=None, tries=1, kind="healed", commits_above=above)
-            self.resumed_from = resumed_from
+            self.trainer.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
-            self.comm.behind = self.comm.unsure = False
-            self.comm.back()
+            self.trainer.comm.behind = self.trainer.comm.unsure = False
+            self.trainer.comm.back()
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
              kind: str = "joined", commits_above: int | None = None) -> bool:
@@ -360,10 +372,10 @@ class Joining:
         furthest along among those that train (never another joining one)."""
         if kind == "joined":
             own = self._own_checkpoint()
-        if self.lay.stages > 1:
+        if self.trainer.lay.stages > 1:
             return self._join_staged(own)
         store = self.membership.store
-        deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        deadline = time.monotonic() + 10 * self.trainer.cfg.method.peer_timeout
         failed: list[int] = []
         """donors that failed this join, in order: the next try asks another one"""
         while time.monotonic() < deadline and (tries is None or tries > 0):
@@ -384,44 +396,46 @@ class Joining:
                 # deadline (dead, stuck, finished) is not waited for the transfer's.
                 try:
                     store.wait([f"{tag}/go"],
-                               timedelta(seconds=3 * self.cfg.method.peer_timeout))
+                               timedelta(seconds=3 * self.trainer.cfg.method.peer_timeout))
                 except dist.DistStoreError:
                     if store.compare_set(f"{tag}/go", "", "no") == b"no":
                         raise RuntimeError("the donor did not answer") from None
                 state, nbytes = self._receive_state(tag, donor)
             except RuntimeError as e:  # the donor died, is stuck or finished: ask another
                 if isinstance(e, BadState):  # or sent what this model cannot take
-                    self.joins.append({"kind": "refused", "replica": self.lay.replica,
+                    self.joins.append({"kind": "refused", "replica": self.trainer.lay.replica,
                                        "from": donor, "why": str(e)})
-                    print(f"noloco: replica {self.lay.replica} refused the state of replica "
+                    print(f"noloco: replica {self.trainer.lay.replica} refused the state of "
+                          f"replica "
                           f"{donor}: {e}", file=sys.stderr, flush=True)
                 if donor in failed:
                     failed.remove(donor)
                 failed.append(donor)
                 continue
-            before = self.state.step
+            before = self.trainer.state.step
             self._adopt(state, own, new_life=kind == "joined")
-            self.joins.append({"kind": kind, "replica": self.lay.replica, "from": donor,
-                               "step": self.state.step,
+            self.joins.append({"kind": kind, "replica": self.trainer.lay.replica, "from": donor,
+                               "step": self.trainer.state.step,
                                "step_before": before, "bytes": nbytes,
                                "seconds": time.perf_counter() - t0,
                                "checksum": self.checksum(),
                                "own_checkpoint_step": own.get("step") if own else None,
                                "t": time.time()})
-            print(f"noloco: replica {self.lay.replica} {kind} at step {self.state.step} with "
+            print(f"noloco: replica {self.trainer.lay.replica} {kind} at step "
+                  f"{self.trainer.state.step} with "
                   f"the state of replica {donor} ({nbytes / 1e6:.1f} MB in "
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
             return True
         if kind == "joined":
-            raise ConfigError(f"replica {self.lay.replica} found no live replica to join")
+            raise ConfigError(f"replica {self.trainer.lay.replica} found no live replica to join")
         return False
 
     def _join_staged(self, own: dict[str, Any] | None) -> bool:
         """Joiner side with pipeline stages: stage 0 picks the donor and asks it; every stage
         takes its state from the donor's same stage (:meth:`_serve_staged`)."""
-        store, lay, m = self.membership.store, self.lay, self.membership
+        store, lay, m = self.membership.store, self.trainer.lay, self.membership
         choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}"
-        deadline = time.monotonic() + 10 * self.cfg.method.peer_timeout
+        deadline = time.monotonic() + 10 * self.trainer.cfg.method.peer_timeout
         if lay.stage == 0:
             while not (donors := m.donors()):
                 if time.monotonic() > deadline:
@@ -447,11 +461,12 @@ class Joining:
         self._adopt(state, own, new_life=True)
         self.joins.append({"kind": "joined", "replica": lay.replica, "from": c["donor"],
                            "stage": lay.stage,
-                           "step": self.state.step, "bytes": nbytes,
+                           "step": self.trainer.state.step, "bytes": nbytes,
                            "seconds": time.perf_counter() - t0, "checksum": self.checksum(),
                            "own_checkpoint_step": own.get("step") if own else None})
         if lay.stage == 0:
-            print(f"noloco: replica {lay.replica} joined at step {self.state.step} with the "
+            print(f"noloco: replica {lay.replica} joined at step {self.trainer.state.step} "
+                  f"with the "
                   f"state of replica {c['donor']}", file=sys.stderr, flush=True)
         return True
 
@@ -464,12 +479,12 @@ class Joining:
         pg.recv([size], 0, 0).wait()
         # The declared size is checked before anything is allocated: a peer cannot make
         # this replica allocate more than a few copies of its own model.
-        bound = self._copies() * sum(p.numel() * 4 for p in self.params) + STATE_SLACK
+        bound = self._copies() * sum(p.numel() * 4 for p in self.trainer.params) + STATE_SLACK
         if not 0 < int(size.item()) <= bound:
             raise BadState(f"it declared {int(size.item())} bytes; this model's state takes "
                            f"at most {bound}")
         blob = torch.empty(int(size.item()), dtype=torch.uint8)
-        sealer = self.comm.sealer
+        sealer = self.trainer.comm.sealer
         if sealer is None:
             pg.recv([blob], 0, 1).wait()
         else:
@@ -477,7 +492,7 @@ class Joining:
             mac = torch.empty(TAG_BYTES, dtype=torch.uint8)
             works = [pg.recv([x], 0, 1 + i) for i, x in enumerate(parts)]
             works.append(pg.recv([mac], 0, 1 + len(parts)))
-            opener = sealer.opener(self.comm.context("join/" + tag), donor, "joiner",
+            opener = sealer.opener(self.trainer.comm.context("join/" + tag), donor, "joiner",
                                    blob.numel())
             for w, x in zip(works, parts, strict=False):
                 w.wait()
@@ -499,12 +514,12 @@ class Joining:
         """Model-sized tensors a live state of this method may hold: the model, slow weights
         and outer momentum, and a sync in flight — what was sent and what each partner of
         its group sent back, fast and slow weights each."""
-        copies = max(STATE_COPIES, 3 + 2 * getattr(self.method, "group_size", 1) + 2)
-        if self.method.compress is not None \
-                and not hasattr(self.method, "group_size"):
+        copies = max(STATE_COPIES, 3 + 2 * getattr(self.trainer.method, "group_size", 1) + 2)
+        if self.trainer.method.compress is not None \
+                and not hasattr(self.trainer.method, "group_size"):
             # an all-gather in flight: what was sent and every replica's sparse message, each
             # at most 1.5 fp32 copies (topk:1.0:32: a 2-byte index beside every value)
-            copies += 2 * (self.lay.replicas + 1)
+            copies += 2 * (self.trainer.lay.replicas + 1)
         return copies
 
     def _check_state(self, state: Any) -> None:
@@ -514,7 +529,7 @@ class Joining:
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict) or \
                 not isinstance(state.get("method"), dict):
             raise BadState("it is not a state")
-        mine = dict(self.runner.named_parameters())
+        mine = dict(self.trainer.runner.named_parameters())
         theirs = state["model"]
         if set(theirs) != set(mine):
             raise BadState("its parameters are not this model's")
@@ -524,7 +539,7 @@ class Joining:
                 raise BadState(f"its {name} is not shaped {tuple(p.shape)} {p.dtype}")
             if not all_finite(t):
                 raise BadState(f"its {name} is not finite")
-        frags = self.method.frags
+        frags = self.trainer.method.frags
         phi = state["method"].get("phi", [])
         if len(phi) != len(frags):
             raise BadState("its slow weights are not this model's")
@@ -537,10 +552,10 @@ class Joining:
                                f"or not finite")
 
     def _own_checkpoint(self) -> dict[str, Any] | None:
-        root = self._checkpoint_root()
+        root = self.checkpoint_root()
         if not root.is_dir():
             return None
-        step, sd = ckpt_mod.agree_on_step(root, 0, self.cfg.math_hash(), lambda x: [x])
+        step, sd = ckpt_mod.agree_on_step(root, 0, self.trainer.cfg.math_hash(), lambda x: [x])
         return sd if step is not None else None
 
     @torch.no_grad()
@@ -549,34 +564,35 @@ class Joining:
         """Take a live state. ``new_life`` (a respawned or relaunched replica, not a heal):
         its random streams are its own checkpoint's, or else fresh ones keyed by the step
         it joins at — never its first life's from step 0 again (:func:`join_streams`)."""
-        named = dict(self.runner.named_parameters())
+        named = dict(self.trainer.runner.named_parameters())
         for name, p in named.items():
             p.copy_(state["model"][name])
         method = state["method"]
         if state.get("phi_is_model"):  # slow weights the donor did not send: its model's
             phi = list(method["phi"])
             for i in state["phi_is_model"]:
-                phi[i] = self.method.frags[i].fast().clone()
+                phi[i] = self.trainer.method.frags[i].fast().clone()
             method = {**method, "phi": phi}
-        guard = self.method.guard
+        guard = self.trainer.method.guard
         judged = (list(guard.rejected), guard.checked) if guard is not None else None
-        self.method.load_state_dict(method)
-        for e in self.method.errors:
+        self.trainer.method.load_state_dict(method)
+        for e in self.trainer.method.errors:
             e.zero_()  # the donor's debt is not this replica's (shared_state)
         if guard is not None and judged is not None:
             # The donor's scale of distances, but this replica's own record of what it judged.
             guard.rejected, guard.checked = judged
-        self.comm.calls = int(state["comm_calls"])
-        self.comm.commits = int(state.get("comm_commits", self.comm.commits))
+        self.trainer.comm.calls = int(state["comm_calls"])
+        self.trainer.comm.commits = int(state.get("comm_commits", self.trainer.comm.commits))
         if own is not None:  # this replica's own inner optimizer and data position
-            self.inner.load_state_dict(own["optimizer"])
-            self.reader.load_state_dict(own["reader"])
+            self.trainer.inner.load_state_dict(own["optimizer"])
+            self.trainer.reader.load_state_dict(own["reader"])
         if new_life:
-            join_streams(own, self.cfg.train.seed, self.lay.rank, int(state["step"]))
-        self.state.step = self.status.step = int(state["step"])
-        self.membership.step = self.state.step
-        self.resumed_from = self.state.step
+            join_streams(own, self.trainer.cfg.train.seed, self.trainer.lay.rank,
+                         int(state["step"]))
+        self.trainer.state.step = self.trainer.status.step = int(state["step"])
+        self.membership.step = self.trainer.state.step
+        self.trainer.resumed_from = self.trainer.state.step
         # A live state: not behind, and no longer marked for an operation it (or its
         # previous life) missed — maybe marked after this process started.
-        self.comm.behind = self.comm.unsure = False
-        self.comm.back()
+        self.trainer.comm.behind = self.trainer.comm.unsure = False
+        self.trainer.comm.back()

@@ -32,7 +32,7 @@ def join_key(donor: int) -> str:
 def join_seen_key(donor: int, stage: int) -> str:
     """How many join requests to ``donor`` its stage ``stage`` (> 0) has seen: with pipeline
     stages, stage 0 fixes the step every stage serves at only once the others will look
-    (:meth:`noloco.elastic.join.Joining._serve_staged`)."""
+    (:meth:`noloco.elastic.join.Joiner._serve_staged`)."""
     return f"{PREFIX}/join/{donor}/seen/{stage}"
 
 

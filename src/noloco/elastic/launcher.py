@@ -32,11 +32,12 @@ from noloco.elastic.deadline import (
     store_errors,
     wait_reachable,
 )
+from noloco.elastic.files import newest_checkpoints, replica_metrics
 from noloco.elastic.host import Host
 from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
 from noloco.elastic.status import STORE_FILE, Dashboard
-from noloco.elastic.worker import combine, newest_checkpoints, replica_metrics
+from noloco.elastic.worker import combine
 from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, plural
 from noloco.launch import STOP_SECONDS, Supervisor
 from noloco.rundir import RunDir, write_json_atomic

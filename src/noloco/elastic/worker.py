@@ -31,7 +31,7 @@ from noloco import checkpoint as ckpt_mod
 from noloco.addresses import ETCD_SCHEME, parse_address
 from noloco.comm import Communicator, NullCommunicator, flatten
 from noloco.config import Config
-from noloco.distributed import DistContext, Layout, host_staged, limit_threads, pick_device
+from noloco.distributed import DistContext, Layout, limit_threads, pick_device
 from noloco.elastic import auth
 from noloco.elastic.communicator import ElasticCommunicator
 from noloco.elastic.deadline import (
@@ -40,129 +40,87 @@ from noloco.elastic.deadline import (
     request_deadline,
     wait_reachable,
 )
-from noloco.elastic.join import Joining
-from noloco.elastic.keys import PREFIX, join_key, starts_key
+from noloco.elastic.files import replica_metrics, replica_summary
+from noloco.elastic.join import Joiner
+from noloco.elastic.keys import PREFIX, starts_key
 from noloco.elastic.membership import Membership
 from noloco.integrity import Sealer, payload_key
 from noloco.metrics import Progress
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.spec import WorkerSpec
 from noloco.staging import HostStaged
-from noloco.train import AVERAGED_METHODS, Trainer, make_checkpointer
+from noloco.train import AVERAGED_METHODS, Trainer
 
 
-def _worker_name(replica: int, stage: int, stages: int) -> str:
-    return f"replica-{replica}" + (f".stage-{stage}" if stages > 1 else "")
+class ElasticReplica(Joiner):
+    """What an elastic run adds to the one trainer (:class:`noloco.train.Trainer`'s
+    ``elastic`` component): its communicator, its own checkpoints and files, joins and heals
+    between steps (:class:`~noloco.elastic.join.Joiner`), a local evaluation and its own end."""
 
-
-def replica_metrics(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
-    return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.jsonl"
-
-
-def replica_checkpoints(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
-    """Where a replica's (stage's) own checkpoints go: it saves and resumes alone."""
-    root = out / "checkpoints" / f"replica-{replica}"
-    return root / f"stage-{stage}" if stages > 1 else root
-
-
-def newest_checkpoints(out: Path, replicas: list[int]) -> dict[int, int | None]:
-    """Each replica's (of one stage) newest complete checkpoint, or None: where ``--resume``
-    continues it."""
-    newest = {r: ckpt_mod.complete_steps(replica_checkpoints(out, r), 1) for r in replicas}
-    return {r: steps[0] if steps else None for r, steps in newest.items()}
-
-
-def replica_summary(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:
-    return Path(out) / "metrics" / f"{_worker_name(replica, stage, stages)}.json"
-
-
-class ElasticTrainer(Joining, Trainer):
-    def __init__(self, cfg: Config, lay: Layout, device: torch.device, threads: int,
-                 rundir: RunDir, ctx: DistContext, status: Any, membership: Membership,
-                 ) -> None:
-        self._membership = membership
-        super().__init__(cfg, lay, device, threads, rundir, ctx, status)
-        self.membership = membership
-        self.ckpt = make_checkpointer(cfg, self._checkpoint_root(), 0, 1)
-        self.served = membership.store.add(join_key(lay.replica), 0)
-        self.next_serve = self.served
-        self.generation = membership.ns.generation if membership.ns is not None else 0
-        """the store's epochs this replica moved through (its join counters are the epoch's)"""
-        """join requests this replica has served (as a donor; a respawned one skips those
-        made to its previous life)"""
-        self.joins: list[dict[str, Any]] = []
-        self.metrics_file = replica_metrics(rundir.path, lay.replica, lay.stage, lay.stages)
-
-    def _checkpoint_root(self) -> Path:
-        return replica_checkpoints(self.rundir.path, self.lay.replica, self.lay.stage,
-                                   self.lay.stages)
-
-    def pipeline_layout(self) -> Layout:
+    def pipeline_layout(self, lay: Layout) -> Layout:
         # The replica's stages are a process group of their own (fixed routing: the samples
         # stay in their replica's pipeline), so one replica's failure touches no other.
-        lay = self.lay
         return Layout(rank=lay.stage, world=lay.stages, local_world=lay.local_world,
                       replica=0, stage=lay.stage, replicas=1, stages=lay.stages)
 
-    def make_comms(self) -> tuple[Communicator, Communicator]:
-        comm = ElasticCommunicator(self._membership, self.cfg.method.peer_timeout,
-                                   self.cfg.method.comm_timeout)
+    def make_comms(self, cfg: Config, device: torch.device, staged: bool
+                   ) -> tuple[Communicator, Communicator]:
+        comm = ElasticCommunicator(self.membership, cfg.method.peer_timeout,
+                                   cfg.method.comm_timeout)
         secret = auth.current_secret()
-        if secret is not None and self.cfg.method.payload_mac:
+        if secret is not None and cfg.method.payload_mac:
             comm.sealer = Sealer(payload_key(secret))
         # Elastic traffic is gloo's (it crosses the internet): a GPU's tensors go through
         # host buffers (noloco.staging).
-        if self.device.type == "cuda" or host_staged(self.device, self.lay.local_world,
-                                                     self.status.spec.host_staging):
-            return HostStaged(comm, self.device), NullCommunicator()
+        if device.type == "cuda" or staged:
+            return HostStaged(comm, device), NullCommunicator()
         return comm, NullCommunicator()
 
+    @property
+    def metrics_file(self) -> Path:
+        lay = self.trainer.lay
+        return replica_metrics(self.trainer.rundir.path, lay.replica, lay.stage, lay.stages)
+
     # ---- evaluation: this replica only -----------------------------------------------------
-    def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
-        e0 = time.perf_counter()
-        st = self.state
-        val = self.runner.eval_loss(self.val)  # None on a stage before the last
-        losses = self.train_losses()
-        train = sum(losses) / len(losses) if losses else None
-        rec = {"step": step, "replica": self.lay.replica, "stage": self.lay.stage,
-               "val_loss": val, "train_loss": train,
-               "bytes_sent": self.comm.bytes_sent, "sync_seconds": self.comm.sync_seconds,
-               "tokens_per_replica": step * self.tokens_per_step,
-               "wall_seconds": self.loop_seconds(), "t": time.time()}
+    def record(self, step: int, val: float | None, losses: list[float], log: Progress
+               ) -> dict[str, Any]:
+        """This replica's evaluation record (``val``: None on a stage before the last),
+        appended to its own metrics file; its line printed where it speaks for the machine."""
+        t = self.trainer
+        rec = {"step": step, "replica": t.lay.replica, "stage": t.lay.stage,
+               "val_loss": val, "train_loss": sum(losses) / len(losses) if losses else None,
+               "bytes_sent": t.comm.bytes_sent, "sync_seconds": t.comm.sync_seconds,
+               "tokens_per_replica": step * t.tokens_per_step,
+               "wall_seconds": t.loop_seconds(), "t": time.time()}
         if val is not None:
-            self._membership.info["val"] = round(val, 5)
+            self.membership.info["val"] = round(val, 5)
         self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
         append_line(self.metrics_file, json.dumps(rec))
         if val is not None:  # the last stage (the loss) of this machine's lowest replica
-            log.eval_line(rec, speaks=self.lay.replica == self.speaker)
-        st.metric_lines += 1
-        st.last_eval_step = step
-        st.last_train.clear()
-        st.eval_s += time.perf_counter() - e0
+            log.eval_line(rec, speaks=t.lay.replica == t.speaker)
         return rec
 
     # ---- the end: own weights and own summary ----------------------------------------------
-    def end(self, log: Progress) -> dict[str, Any] | None:
-        self.ckpt.wait()
-        self.method.finish()
-        rec = self.evaluate(self.cfg.train.steps, log)
-        log.close()
-        named = self.runner.named_parameters()
-        lay = self.lay
+    def end(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """After the final evaluation ``rec``: this replica's weights and summary, on its own
+        (the launcher combines every replica's, :func:`combine`)."""
+        t = self.trainer
+        lay, method = t.lay, t.method
         ckpt_mod.save_weights(
-            self.rundir.path / ckpt_mod.MODEL_DIR
+            t.rundir.path / ckpt_mod.MODEL_DIR
             / ckpt_mod.shard_name(f"replica-{lay.replica}", lay.stage, lay.stages),
-            dict(named), {"step": str(self.state.step), "method": self.cfg.method.method})
-        comm: ElasticCommunicator = self.comm  # type: ignore[assignment]
+            dict(t.runner.named_parameters()),
+            {"step": str(t.state.step), "method": t.cfg.method.method})
+        comm: ElasticCommunicator = t.comm  # type: ignore[assignment]
         self.membership.finish()  # nobody waits for it now; a cut still open is listed
         summary = {
-            "replica": self.lay.replica, "stage": self.lay.stage,
+            "replica": lay.replica, "stage": lay.stage,
             "incarnation": self.membership.incarnation,
-            "steps": self.state.step, "final_val_loss": rec["val_loss"],
-            "outer_steps": self.method.outer_steps, "bytes_sent": comm.bytes_sent,
-            "sync_seconds": comm.sync_seconds, "compute_seconds": self.state.compute_s,
-            "train_seconds": self.loop_seconds() - self.state.eval_s,
-            "wall_seconds": self.wall_seconds(), "partial_operations": comm.partial,
+            "steps": t.state.step, "final_val_loss": rec["val_loss"],
+            "outer_steps": method.outer_steps, "bytes_sent": comm.bytes_sent,
+            "sync_seconds": comm.sync_seconds, "compute_seconds": t.state.compute_s,
+            "train_seconds": t.loop_seconds() - t.state.eval_s,
+            "wall_seconds": t.wall_seconds(), "partial_operations": comm.partial,
             "retries": comm.retries, "longest_wait_seconds": comm.longest_wait,
             "arrival_seconds": comm.arrival_seconds,
             "payload_mac": comm.sealer is not None, "mac_bytes": comm.mac_bytes,
@@ -172,26 +130,26 @@ class ElasticTrainer(Joining, Trainer):
                                                 for s in comm.unreachable_steps)}
                 for o in self.membership.outages],
             "epoch": self.membership.ns.epoch if self.membership.ns is not None else 0,
-            "run_id": self.cfg.run_id(),
+            "run_id": t.cfg.run_id(),
             "ops": dict(comm.ops),
             "events": comm.events, "joins": self.joins,
             "guard_rejected": [{"replica": lay.replica, "stage": lay.stage, **r}
-                               for r in (self.method.guard.rejected
-                                         if self.method.guard is not None else [])],
+                               for r in (method.guard.rejected
+                                         if method.guard is not None else [])],
             # messages left out of a sparse mean (malformed or not finite)
-            "dropped_messages": [{"replica": lay.replica, **d} for d in self.method.dropped],
+            "dropped_messages": [{"replica": lay.replica, **d} for d in method.dropped],
             # the method's settings (fragments, the exchange's encoding), for noloco report
-            "settings": {k: v for k, v in self.method.settings().items()
+            "settings": {k: v for k, v in method.settings().items()
                          if k not in ("update_guard", "dropped_messages")},
-            "served": self.served, "resumed_from_step": self.resumed_from,
-            "threads_per_worker": self.threads, "params": self.n_params_total,
-            "param_bytes": self.param_bytes, "device": str(self.device),
-            "host_staged": isinstance(self.comm, HostStaged),
-            "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(self.device)
-                                      if self.device.type == "cuda" else None),
-            "tokens_per_step": self.tokens_per_step,
+            "served": self.served, "resumed_from_step": t.resumed_from,
+            "threads_per_worker": t.threads, "params": t.n_params_total,
+            "param_bytes": t.param_bytes, "device": str(t.device),
+            "host_staged": t.host_staged,
+            "peak_gpu_memory_bytes": (torch.cuda.max_memory_allocated(t.device)
+                                      if t.device.type == "cuda" else None),
+            "tokens_per_step": t.tokens_per_step,
         }
-        write_json_atomic(replica_summary(self.rundir.path, lay.replica, lay.stage, lay.stages),
+        write_json_atomic(replica_summary(t.rundir.path, lay.replica, lay.stage, lay.stages),
                           summary)
         return summary
 
@@ -237,17 +195,17 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
             world_size=m.stages, timeout=timedelta(seconds=m.comm_timeout))
     # attempt = incarnation: injected faults fire in the first incarnation only.
     ctx = DistContext(store=None, attempt=incarnation)
+    elastic = ElasticReplica(membership)
     trainer = None
     ok = False
     try:
-        trainer = ElasticTrainer(cfg, lay, device, threads, RunDir(Path(t.out)), ctx, status,
-                                 membership)
+        trainer = Trainer(cfg, lay, device, threads, RunDir(Path(t.out)), ctx, status, elastic)
         if incarnation > 0:
-            trainer.join()
+            elastic.join()
         elif spec.resume:
             trainer.resume(required=False)
             if trainer.resumed_from is None:  # it never saved: it joins the others instead
-                trainer.join()
+                elastic.join()
             membership.step = status.step = trainer.state.step
         membership.ready = True  # a donor from now on
         membership.joining = False  # a member of new snapshots
@@ -269,8 +227,8 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             joins: list[dict[str, Any]], wall_seconds: float) -> dict[str, Any]:
     """summary.json, metrics.jsonl and the model index of an elastic run, from the files the
     replicas left: the mean over the replicas that reported, at each evaluation step. With
-    pipeline stages a replica's bytes are its stages' sum, its losses its last stage's."""
-    cfg = cfg.resolved()
+    pipeline stages a replica's bytes are its stages' sum, its losses its last stage's.
+    ``cfg`` resolved (the command line's)."""
     m = cfg.method
     P, last = m.stages, m.stages - 1
     finished: dict[int, dict[str, Any]] = {}
