@@ -188,11 +188,13 @@ def train(ns: argparse.Namespace) -> int:
         from noloco.worker import main as worker_main
         return worker_main(WorkerSpec.under_torchrun(cfg, resume=resuming,
                                                      must_resume=resuming))
+    # Static or elastic: decided here, once (the launcher, the workers and their trainers
+    # take the elastic parts as components).
+    policy = None
     if cfg.method.elastic:
-        from noloco.elastic.launcher import ElasticSupervisor
-        sup = ElasticSupervisor(cfg, resuming, resuming)
-    else:
-        sup = supervisor_for(cfg, resuming, resuming)
+        from noloco.elastic.launcher import ElasticRun
+        policy = ElasticRun()
+    sup = supervisor_for(cfg, resuming, resuming, policy)
     if sup is not None:  # its workers' warm parent imports torch while this one prepares
         sup.prestart()
     try:

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from noloco import checkpoint as ckpt_mod
 from noloco.config import Config
@@ -65,16 +65,19 @@ def under_torchrun() -> bool:
         "RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def supervisor_for(cfg: Config, resume: bool = False, must_resume: bool = False
-                   ) -> Supervisor | None:
-    """The supervisor of a static run on this machine; None when the run is one worker
-    without restarts, which runs in the calling process."""
+def supervisor_for(cfg: Config, resume: bool = False, must_resume: bool = False,
+                   policy: Policy | None = None) -> Supervisor | None:
+    """The supervisor of a run on this machine: ``policy`` says what kind (an elastic run's,
+    :class:`noloco.elastic.launcher.ElasticRun`; by default a static run's,
+    :class:`StaticRun`). None when the run is one static worker without restarts, which runs
+    in the calling process."""
     t = cfg.train
-    if cfg.method.elastic:  # its own launcher, which the caller picks (no import circle)
-        raise ValueError("an elastic run starts through noloco.elastic.launcher")
-    if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
-        return None
-    return Supervisor(cfg, resume, must_resume)
+    if policy is None:
+        if cfg.method.elastic:  # the caller builds the elastic policy (no import up here)
+            raise ValueError("an elastic run needs its policy (noloco.elastic.launcher)")
+        if cfg.world_size == 1 and t.max_restarts == 0 and not t.inject_fault:
+            return None
+    return Supervisor(cfg, resume, must_resume, policy or StaticRun())
 
 
 def loopback_interface() -> str:
@@ -99,11 +102,46 @@ class Outcome:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+class Policy(Protocol):
+    """What kind of run the one :class:`Supervisor` supervises: a static run
+    (:class:`StaticRun`: every worker stops when one fails, and all start again) or an
+    elastic one (:class:`noloco.elastic.launcher.ElasticRun`: a replica fails alone and
+    starts again alone). The supervisor starts the workers, watches them, forwards signals
+    and stops them; the policy answers what that means."""
+
+    def open(self, sup: Supervisor) -> int | None:
+        """Host (or reach) the run's store; an exit code when it cannot."""
+
+    def groups(self, sup: Supervisor) -> dict[int, list[int]]:
+        """The groups of workers (their global ranks) that end and start again together."""
+
+    def start(self, sup: Supervisor, group: int) -> None:
+        """Start the group's workers (:meth:`Supervisor.start_worker`)."""
+
+    def failed(self, sup: Supervisor, group: int) -> str | int:
+        """A worker of ``group`` failed: ``"restarted"`` (it was started again), ``"dead"``
+        (the others go on without it), or the run's exit code (it ends here)."""
+
+    def interrupted(self, sup: Supervisor) -> int:
+        """A stop signal came (:attr:`Supervisor.signum`): stop the workers; the exit code."""
+
+    def finished(self, sup: Supervisor, done: set[int], dead: set[int]) -> int:
+        """Every group finished (``done``) or failed for good (``dead``): the exit code."""
+
+    def close(self, sup: Supervisor) -> None:
+        """The run is over: release the store and what else :meth:`open` started."""
+
+
 class Supervisor:
-    def __init__(self, cfg: Config, resume: bool, must_resume: bool) -> None:
+    """The local launcher of every run on this machine: one loop over groups of workers, the
+    run's kind in its :class:`Policy`."""
+
+    def __init__(self, cfg: Config, resume: bool, must_resume: bool,
+                 policy: Policy | None = None) -> None:
         self.cfg, self.resume, self.must_resume = cfg, resume, must_resume
         from noloco.distributed import Layout
 
+        self.policy: Policy = policy or StaticRun()
         self.world = cfg.world_size
         self.stages = cfg.method.stages
         self.describe = Layout(world=self.world, replicas=cfg.method.replicas,
@@ -112,6 +150,13 @@ class Supervisor:
         self.failures: list[dict[str, Any]] = []
         self.signum: int | None = None
         self.procs: dict[int, subprocess.Popen | WarmProcess] = {}
+        self.done: set[int] = set()
+        """the groups whose workers all finished"""
+        self.dead: set[int] = set()
+        """the groups that failed for good (an elastic run goes on without them)"""
+        self.store: Any = None
+        """the run's store, as the policy opened it"""
+        self.port = 0
         self.starter = Starter()
         """forks the workers from a warm parent (noloco.warm), closed when the run ends"""
         self.spec = WorkerSpec.for_launcher(cfg, local_world=self.world)
@@ -132,50 +177,46 @@ class Supervisor:
             master_listen_fd=sock.detach())
 
     def run(self) -> int:
-        self.host_store()
+        code = self.policy.open(self)
+        if code is not None:
+            return code
         handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            restarts = self.cfg.train.max_restarts
-            for attempt in range(restarts + 1):
-                outcome = self._attempt(attempt)
-                if outcome.kind == "completed":
-                    if self.failures:
-                        RunDir(self.out).update_summary(restarts=attempt,
-                                                        failures=self.failures)
-                    return 0
-                if outcome.kind == "interrupted":
-                    self._write_status("interrupted", outcome, attempt)
-                    print(ckpt_mod.interrupted_line(self.out, outcome.last_step, self.world),
-                          file=sys.stderr, flush=True)
-                    return outcome.code
-                newest = self._newest_checkpoint()
-                self.failures.append({"attempt": attempt, "rank": outcome.rank,
-                                      "signal": outcome.signal,
-                                      "exit_code": outcome.details.get("exit_code"),
-                                      "reason": outcome.line, "step": outcome.last_step,
-                                      "t": time.time()})
-                if attempt < restarts and outcome.restartable:
-                    where = (f"checkpoint step {newest}" if newest is not None
-                             else "the start (no checkpoint yet)")
-                    print(f"noloco: {outcome.line} at step {outcome.last_step}; restarting "
-                          f"from {where} (restart {attempt + 1} of {restarts})",
-                          file=sys.stderr, flush=True)
-                    continue
-                if outcome.details.get("kind") == "usage":  # bad input: nothing is written
-                    print(f"noloco: error: {outcome.line}", file=sys.stderr, flush=True)
-                    return 2
-                self._write_status("failed", outcome, attempt)
-                keep = (f"newest checkpoint: step {newest}; continue with: noloco train "
-                        f"--resume {self.out}" if newest is not None else "no checkpoint")
-                print(f"noloco: error: {outcome.line}; the run stopped at step "
-                      f"{outcome.last_step} ({keep})", file=sys.stderr, flush=True)
-                return outcome.code
-            raise AssertionError("unreachable")
+            return self._supervise()
         finally:
+            self.policy.close(self)
             self._stop_all()
             self.starter.close()
             for s, h in handlers.items():
                 signal.signal(s, h)
+
+    def _supervise(self) -> int:
+        """Start every group; watch them until each has finished or failed for good."""
+        groups = self.policy.groups(self)
+        for g in groups:
+            self.policy.start(self, g)
+        done, dead = self.done, self.dead
+        while len(done | dead) < len(groups):
+            if self.signum is not None:
+                return self.policy.interrupted(self)
+            for g, ranks in groups.items():
+                if g in done or g in dead:
+                    continue
+                codes = [self.procs[r].poll() for r in ranks]
+                if all(c == 0 for c in codes):
+                    done.add(g)
+                elif any(c not in (None, 0) for c in codes):
+                    what = self.policy.failed(self, g)
+                    if isinstance(what, int):
+                        return what
+                    if what == "dead":
+                        dead.add(g)
+            time.sleep(0.05)
+        return self.policy.finished(self, done, dead)
+
+    def start_worker(self, rank: int, spec: WorkerSpec, env: dict[str, str]) -> None:
+        """Start the worker of global rank ``rank`` (``self.procs[rank]``)."""
+        self.procs[rank] = self.starter.start([spec.to_json()], env)
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
         self.signum = self.signum or signum
@@ -187,7 +228,8 @@ class Supervisor:
         self.starter.prestart(dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                                    NOLOCO_RUN=str(self.out.resolve())))
 
-    def _env(self) -> dict[str, str]:
+    def base_env(self) -> dict[str, str]:
+        """Every worker's environment, less its rank."""
         threads = str(default_threads(self.world))
         env = dict(os.environ)
         # torchrun's variables (the worker's own settings are its spec: noloco.spec), and
@@ -202,46 +244,6 @@ class Supervisor:
             GLOO_SOCKET_IFNAME=loopback_interface(), NCCL_SOCKET_IFNAME=loopback_interface())
         env.pop("TORCHELASTIC_RUN_ID", None)
         return env
-
-    def _attempt(self, attempt: int) -> Outcome:
-        if self.signum is not None:  # interrupted while the last attempt was being stopped
-            return Outcome("interrupted", code=128 + self.signum,
-                           last_step=self._last_step(attempt - 1, self._reports(attempt - 1)))
-        base = self._env()
-        spec = self.spec.but(attempt=attempt, resume=self.resume or attempt > 0,
-                             must_resume=attempt == 0 and self.must_resume)
-        self.procs = {}
-        for rank in range(self.world):
-            env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
-            self.procs[rank] = self.starter.start([spec.but(rank=rank, local_rank=rank).to_json()],
-                                                  env)
-        failed: list[tuple[int, int]] = []  # (rank, exit code) in the order noticed
-        first_at = None
-        while True:
-            if self.signum is not None:
-                self._stop_all(graceful=True)  # the workers report the step they stopped at
-                if all(p.returncode == 0 for p in self.procs.values()):
-                    return Outcome("completed")  # the stop came at the last step
-                reports = self._reports(attempt)
-                return Outcome("interrupted", code=128 + self.signum,
-                               last_step=self._last_step(attempt, reports))
-            codes = {r: p.poll() for r, p in self.procs.items()}
-            for r, c in codes.items():
-                if c not in (None, 0) and all(r != f for f, _ in failed):
-                    failed.append((r, c))
-            if failed and first_at is None:
-                first_at = time.monotonic()
-            if all(c is not None for c in codes.values()):
-                break
-            grace = SIGNAL_GRACE_SECONDS if any(c < 0 for _, c in failed) else GRACE_SECONDS
-            if first_at is not None and time.monotonic() - first_at > grace:
-                break
-            time.sleep(0.05)
-        if not failed:
-            return Outcome("completed")
-        stopped = {r for r, p in self.procs.items() if p.poll() is None}
-        self._stop_all()
-        return self._diagnose(attempt, failed, stopped)
 
     def _stop_all(self, graceful: bool = False, grace: float = STOP_SECONDS) -> None:
         """SIGTERM (and SIGCONT, for a stopped worker), then SIGKILL after STOP_SECONDS.
@@ -270,8 +272,10 @@ class Supervisor:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
         return [p for p in alive if p.poll() is None]
 
-    # ---- what went wrong -----------------------------------------------------------------
-    def _read(self, key: str) -> dict[str, Any] | None:
+    # ---- the store ------------------------------------------------------------------------
+    def read(self, key: str) -> dict[str, Any] | None:
+        """A JSON value of the run's store (a report, a heartbeat), None if there is none or
+        it cannot be read."""
         try:
             if self.store.check([key]):
                 return json.loads(self.store.get(key))
@@ -279,34 +283,139 @@ class Supervisor:
             pass
         return None
 
-    def _reports(self, attempt: int) -> dict[int, dict[str, Any]]:
+
+class StaticRun:
+    """A static run's :class:`Policy`: the whole world is one group. When a worker fails, the
+    others are stopped, the cause is found, and — within ``--max-restarts`` — every worker
+    starts again as the next attempt, resuming from the newest complete checkpoint."""
+
+    def __init__(self) -> None:
+        self.attempt = 0
+        self.sup: Supervisor
+
+    def open(self, sup: Supervisor) -> int | None:
+        self.sup = sup
+        sup.host_store()
+        return None
+
+    def groups(self, sup: Supervisor) -> dict[int, list[int]]:
+        return {0: list(range(sup.world))}
+
+    def start(self, sup: Supervisor, group: int) -> None:
+        base = sup.base_env()
+        spec = sup.spec.but(attempt=self.attempt, resume=sup.resume or self.attempt > 0,
+                            must_resume=self.attempt == 0 and sup.must_resume)
+        sup.procs = {}
+        for rank in range(sup.world):
+            sup.start_worker(rank, spec.but(rank=rank, local_rank=rank),
+                             dict(base, RANK=str(rank), LOCAL_RANK=str(rank)))
+
+    def failed(self, sup: Supervisor, group: int) -> str | int:
+        outcome = self._ended(sup)
+        if outcome.kind == "completed":  # every other worker ended well meanwhile: no
+            return self.finished(sup, {0}, set())  # (a failure noticed, then all exit 0)
+        newest = self._newest_checkpoint()
+        restarts = sup.cfg.train.max_restarts
+        sup.failures.append({"attempt": self.attempt, "rank": outcome.rank,
+                             "signal": outcome.signal,
+                             "exit_code": outcome.details.get("exit_code"),
+                             "reason": outcome.line, "step": outcome.last_step,
+                             "t": time.time()})
+        if self.attempt < restarts and outcome.restartable and sup.signum is None:
+            where = (f"checkpoint step {newest}" if newest is not None
+                     else "the start (no checkpoint yet)")
+            print(f"noloco: {outcome.line} at step {outcome.last_step}; restarting "
+                  f"from {where} (restart {self.attempt + 1} of {restarts})",
+                  file=sys.stderr, flush=True)
+            self.attempt += 1
+            self.start(sup, group)
+            return "restarted"
+        if sup.signum is not None:  # interrupted while the failed attempt was being stopped
+            return self._interrupted_at(outcome.last_step)
+        if outcome.details.get("kind") == "usage":  # bad input: nothing is written
+            print(f"noloco: error: {outcome.line}", file=sys.stderr, flush=True)
+            return 2
+        self._write_status("failed", outcome)
+        keep = (f"newest checkpoint: step {newest}; continue with: noloco train "
+                f"--resume {sup.out}" if newest is not None else "no checkpoint")
+        print(f"noloco: error: {outcome.line}; the run stopped at step "
+              f"{outcome.last_step} ({keep})", file=sys.stderr, flush=True)
+        return outcome.code
+
+    def interrupted(self, sup: Supervisor) -> int:
+        sup._stop_all(graceful=True)  # the workers report the step they stopped at
+        if all(p.returncode == 0 for p in sup.procs.values()):
+            return self.finished(sup, {0}, set())  # the stop came at the last step
+        return self._interrupted_at(self._last_step(self._reports()))
+
+    def finished(self, sup: Supervisor, done: set[int], dead: set[int]) -> int:
+        if sup.failures:
+            RunDir(sup.out).update_summary(restarts=self.attempt, failures=sup.failures)
+        return 0
+
+    def close(self, sup: Supervisor) -> None:
+        pass
+
+    # ---- what went wrong -----------------------------------------------------------------
+    def _interrupted_at(self, step: int) -> int:
+        sup = self.sup
+        assert sup.signum is not None
+        outcome = Outcome("interrupted", code=128 + sup.signum, last_step=step)
+        self._write_status("interrupted", outcome)
+        print(ckpt_mod.interrupted_line(sup.out, outcome.last_step, sup.world),
+              file=sys.stderr, flush=True)
+        return outcome.code
+
+    def _ended(self, sup: Supervisor) -> Outcome:
+        """After the first failure is noticed: the others get a moment to fail (and report)
+        by themselves, the rest are stopped, and the cause is found."""
+        failed: list[tuple[int, int]] = []  # (rank, exit code) in the order noticed
+        first_at = time.monotonic()
+        while True:
+            codes = {r: p.poll() for r, p in sup.procs.items()}
+            for r, c in codes.items():
+                if c not in (None, 0) and all(r != f for f, _ in failed):
+                    failed.append((r, c))
+            if all(c is not None for c in codes.values()):
+                break
+            grace = SIGNAL_GRACE_SECONDS if any(c < 0 for _, c in failed) else GRACE_SECONDS
+            if time.monotonic() - first_at > grace:
+                break
+            time.sleep(0.05)
+        if not failed:
+            return Outcome("completed")
+        stopped = {r for r, p in sup.procs.items() if p.poll() is None}
+        sup._stop_all()
+        return self._diagnose(failed, stopped)
+    def _reports(self) -> dict[int, dict[str, Any]]:
+        """What the workers of this attempt reported when they stopped, by rank."""
         from noloco.worker import report_key
 
-        return {r: rep for r in range(self.world)
-                if (rep := self._read(report_key(attempt, r))) is not None}
+        return {r: rep for r in range(self.sup.world)
+                if (rep := self.sup.read(report_key(self.attempt, r))) is not None}
 
-    def _last_step(self, attempt: int, reports: dict[int, dict[str, Any]]) -> int:
+    def _last_step(self, reports: dict[int, dict[str, Any]]) -> int:
         steps = [r.get("step", 0) for r in reports.values()]
         with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
             # rank 0 keeps it at least as new as its last log, evaluation or checkpoint (a
             # lone worker has no store to report or beat in)
-            steps.append(int(RunDir(self.out).read_summary().get("last_step") or 0))
-        for rank in range(self.world):
-            hb = self._read(heartbeat_key(attempt, rank))
+            steps.append(int(RunDir(self.sup.out).read_summary().get("last_step") or 0))
+        for rank in range(self.sup.world):
+            hb = self.sup.read(heartbeat_key(self.attempt, rank))
             if hb:
                 steps.append(hb["step"])
         return max(steps, default=0)
 
-    def _diagnose(self, attempt: int, failed: list[tuple[int, int]], stopped: set[int]
-                  ) -> Outcome:
+    def _diagnose(self, failed: list[tuple[int, int]], stopped: set[int]) -> Outcome:
         """The cause of a failed attempt, from exit codes and the workers' reports.
 
         Precedence: bad input (exit 2: restarting cannot help); a full disk (likewise); a
         worker killed by a signal nobody here sent (kill -9, the OOM killer); a worker's own
         error (its report says what); the rank the others' reports blame for not answering
         (a SIGSTOP, a hang); else the first worker noticed failing."""
-        reports = self._reports(attempt)
-        step = self._last_step(attempt, reports)
+        reports = self._reports()
+        step = self._last_step(reports)
+        describe = self.sup.describe
 
         def outcome(rank: int, line: str, restartable: bool, **details: Any) -> Outcome:
             code = dict(failed).get(rank)
@@ -323,7 +432,7 @@ class Supervisor:
                     return outcome(r, rep["line"], False, kind=kind)
         for r, code in failed:
             if code < 0 and r not in reports:
-                return outcome(r, f"{self.describe(r)} was killed by "
+                return outcome(r, f"{describe(r)} was killed by "
                                f"{signal.Signals(-code).name}", True, kind="signal")
         for r, rep in own:
             return outcome(r, rep["line"], rep.get("restartable", True), kind=rep["kind"])
@@ -336,23 +445,24 @@ class Supervisor:
             return outcome(culprit, line, True, kind="stall", stopped=culprit in stopped)
         r, code = failed[0]
         rep = reports.get(r)
-        return outcome(r, rep["line"] if rep else f"{self.describe(r)} exited with code {code}",
+        return outcome(r, rep["line"] if rep else f"{describe(r)} exited with code {code}",
                        True, kind="exit")
 
     def _newest_checkpoint(self) -> int | None:
-        steps = ckpt_mod.complete_steps(self.out / "checkpoints", self.world)
+        steps = ckpt_mod.complete_steps(self.sup.out / "checkpoints", self.sup.world)
         return steps[0] if steps else None
 
-    def _write_status(self, status: str, o: Outcome, attempt: int) -> None:
+    def _write_status(self, status: str, o: Outcome) -> None:
         newest = self._newest_checkpoint()
         fields: dict[str, Any] = {
             "status": status, "last_step": o.last_step, "exit_code": o.code,
             "newest_checkpoint": (f"checkpoints/{ckpt_mod.step_dir(Path(), newest).name}"
                                   if newest is not None else None),
-            "restarts": attempt, "failures": self.failures}
+            "restarts": self.attempt, "failures": self.sup.failures}
         if status == "failed":
-            fields.update(failed_rank=o.rank, replica=o.rank // self.stages,
-                          stage=o.rank % self.stages, signal=o.signal,
+            stages = self.sup.stages
+            fields.update(failed_rank=o.rank, replica=o.rank // stages,
+                          stage=o.rank % stages, signal=o.signal,
                           worker_exit_code=o.details.get("exit_code"), reason=o.line)
         with contextlib.suppress(OSError):
-            RunDir(self.out).update_summary(**fields)
+            RunDir(self.sup.out).update_summary(**fields)

@@ -1,6 +1,7 @@
-"""The local launcher of an elastic run (``noloco train --elastic``).
+"""What the one local launcher (:class:`noloco.launch.Supervisor`) does in an elastic run
+(``noloco train --elastic``): :class:`ElasticRun`, its policy.
 
-Unlike :class:`noloco.launch.Supervisor`, a worker that dies does not stop the others: the
+Unlike a static run's, a worker that dies does not stop the others: the
 failure is recorded (replica, step, how), the replica is started again while ``--respawn``
 allows (it joins from a live replica, :mod:`noloco.elastic.join`), and the run ends when
 every replica has finished or died. Then the run's numbers are combined from the files each
@@ -43,179 +44,184 @@ from noloco.launch import STOP_SECONDS, Supervisor
 from noloco.rundir import RunDir, write_json_atomic
 
 
-class ElasticSupervisor(Supervisor):
-    def run(self) -> int:
-        t = self.cfg.train
-        self.replicas = self.cfg.method.replicas
+class ElasticRun:
+    """An elastic run's :class:`~noloco.launch.Policy`: each local replica (its stages) is a
+    group that fails alone and, while ``--respawn`` allows, starts again alone (it joins from
+    a live replica); the run ends when every replica has finished or died."""
+
+    def __init__(self) -> None:
+        self.sup: Supervisor
+        self.host: Host | None = None
+        self.dashboard: Dashboard | None = None
+        self.coordinator: tuple[str, int] | None = None
+        self.incarnation: dict[int, int] = {}
+        self.joins: list[dict[str, Any]] = []
+        self.respawns = 0
+        self.t0 = 0.0
+
+    # ---- the store --------------------------------------------------------------------------
+    def open(self, sup: Supervisor) -> int | None:
+        self.sup = sup
+        cfg, t = sup.cfg, sup.cfg.train
+        self.replicas = cfg.method.replicas
+        self.stages = sup.stages
+        self.out = sup.out
         self.local = local_replicas(t.replica_ids, self.replicas)
-        timeout = request_deadline(self.cfg.method.peer_timeout)
-        ns = Namespace(self.cfg.run_id())
-        host = None
+        timeout = request_deadline(cfg.method.peer_timeout)
+        ns = Namespace(cfg.run_id())
         try:
             if t.coordinator and t.coordinator.startswith(SCHEME):  # an etcd cluster
                 self.coordinator = parse_endpoints(t.coordinator)[0]
-                self.port = self.coordinator[1]
-                conn = open_store_patiently(t.coordinator, timeout, ns,
-                                            self.cfg.method.comm_timeout)
+                sup.port = self.coordinator[1]
+                conn = open_store_patiently(t.coordinator, timeout, ns, cfg.method.comm_timeout)
             elif t.coordinator:  # across machines: the coordinator hosts the store
                 auth.use_secret(auth.load_secret(t.secret_file))
                 self.coordinator = parse_address(t.coordinator)
-                self.port = self.coordinator[1]
-                wait_reachable(*self.coordinator, self.cfg.method.comm_timeout)
-                conn = open_store_patiently(t.coordinator, timeout, ns,
-                                            self.cfg.method.comm_timeout)
+                sup.port = self.coordinator[1]
+                wait_reachable(*self.coordinator, cfg.method.comm_timeout)
+                conn = open_store_patiently(t.coordinator, timeout, ns, cfg.method.comm_timeout)
             else:
                 # This launcher hosts it, and judges liveness beside it (on one clock).
-                self.coordinator = None
-                host = Host("127.0.0.1", 0, self.cfg.method.comm_timeout)
-                self.port = host.port
-                conn = open_store_patiently(f"127.0.0.1:{self.port}", timeout, ns,
-                                            self.cfg.method.comm_timeout)
+                self.host = Host("127.0.0.1", 0, cfg.method.comm_timeout)
+                sup.port = self.host.port
+                conn = open_store_patiently(f"127.0.0.1:{sup.port}", timeout, ns,
+                                            cfg.method.comm_timeout)
         except ConfigError as e:  # the secret: missing, wrong, unreadable
             print(f"noloco: error: {e}", file=sys.stderr)
             return 2
         except Exception as e:  # noqa: BLE001 - one line, whatever the store says
-            if host is not None:
-                host.stop()
+            self.close(sup)
             where = f"the coordinator at {t.coordinator}" if t.coordinator else "its store"
             print(f"noloco: error: cannot reach {where} "
                   f"({str(e).splitlines()[0][:160]})", file=sys.stderr)
             return 1
         # Its reads outlive a coordinator's restart: a failed one is retried on a new
         # connection (in the run's new epoch) the next time.
-        self.store = Renewing(conn, timeout)
-        address = t.coordinator or f"127.0.0.1:{self.port}"
+        sup.store = Renewing(conn, timeout)
+        self.address = t.coordinator or f"127.0.0.1:{sup.port}"
         write_json_atomic(self.out / STORE_FILE, {
-            "address": address, "run_id": ns.run_id,
+            "address": self.address, "run_id": ns.run_id,
             "gated": bool(t.coordinator) and not t.coordinator.startswith(SCHEME)})
-        dashboard = None
         if t.dashboard is not None:
             try:
-                dashboard = Dashboard(Renewing(open_address(address, timeout), timeout),
-                                      t.dashboard, run_id=ns.run_id)
+                self.dashboard = Dashboard(Renewing(open_address(self.address, timeout),
+                                                    timeout), t.dashboard, run_id=ns.run_id)
             except OSError as e:
                 print(f"noloco: error: cannot serve the dashboard on 127.0.0.1:{t.dashboard} "
                       f"({e.strerror})", file=sys.stderr)
-                if host is not None:
-                    host.stop()
+                self.close(sup)
                 return 2
-            print(f"noloco: live view of the run: http://127.0.0.1:{dashboard.port}/",
+            print(f"noloco: live view of the run: http://127.0.0.1:{self.dashboard.port}/",
                   file=sys.stderr, flush=True)
-        handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        t0 = time.time()
+        self.t0 = time.time()
         self.incarnation = {r: 0 for r in self.local}
-        self.joins: list[dict[str, Any]] = []
-        respawns = self.cfg.train.respawn
-        finished: set[int] = set()
-        dead: set[int] = set()
-        try:
-            self.reps = {r: self._start(r) for r in self.local}
-            while len(finished | dead) < len(self.local):
-                if self.signum is not None:
-                    # Each replica (of one stage) saves the step it is at and stops; with
-                    # pipeline stages they stop at once (their stages would have to agree,
-                    # and such a run does not resume yet). A replica inside an operation
-                    # finishes it first: it may wait --peer-timeout for a partner that
-                    # stopped before it.
-                    self._stop_all(graceful=self.stages == 1,
-                                   grace=STOP_SECONDS + self.cfg.method.peer_timeout)
-                    if all(p.poll() == 0 for ps in self.reps.values() for p in ps):
-                        finished |= set(self.reps)  # every one ended first: a completed run
-                        break
-                    step = max((self._step(r) for r in self.local), default=0)
-                    saved = newest_checkpoints(self.out, self.local) \
-                        if self.stages == 1 and not t.coordinator else {}
-                    with contextlib.suppress(OSError):
-                        RunDir(self.out).update_summary(status="interrupted", last_step=step,
-                                                        exit_code=128 + self.signum,
-                                                        failures=self.failures, elastic=True,
-                                                        saved_steps=saved)
-                    name = signal.Signals(self.signum).name
-                    if any(s is not None for s in saved.values()):
-                        at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
-                                       if s is not None)
-                        print(f"noloco: stopped by {name}; saved {at}; continue with: noloco "
-                              f"train --resume {self.out}", file=sys.stderr, flush=True)
-                    elif self.stages > 1 or t.coordinator:
-                        what = "with pipeline stages" if self.stages > 1 else "at a coordinator"
-                        print(f"noloco: stopped by {name} at step {step} (an elastic run "
-                              f"{what} cannot be resumed yet)", file=sys.stderr, flush=True)
-                    else:
-                        print(f"noloco: stopped by {name} at step {step}, before any "
-                              f"checkpoint: nothing to resume (start again with --overwrite)",
-                              file=sys.stderr, flush=True)
-                    return 128 + self.signum
-                for r, stages in list(self.reps.items()):
-                    if r in finished or r in dead:
-                        continue
-                    codes = [p.poll() for p in stages]
-                    if all(c == 0 for c in codes):
-                        finished.add(r)
-                        continue
-                    failed = [c for c in codes if c not in (None, 0)]
-                    if not failed:
-                        continue
-                    # A replica ends as a whole: its other stages cannot train without this
-                    # one (they would wait for it until the timeout).
-                    for p in stages:
-                        if p.poll() is None:
-                            with contextlib.suppress(ProcessLookupError):
-                                p.kill()
-                            p.wait()
-                    if SUPERSEDED_EXIT in failed:  # a newer process owns the id: not ours now
-                        self.failures.append({"replica": r, "step": self._step(r),
-                                              "kind": "superseded",
-                                              "incarnation": self.incarnation[r],
-                                              "t": time.time()})
-                        print(f"noloco: replica {r} was taken over by a newer process with "
-                              f"the same id; not restarting it here", file=sys.stderr,
-                              flush=True)
-                        dead.add(r)
-                        continue
-                    if STORE_LOST_EXIT in failed:  # it stopped with a checkpoint, on purpose
-                        self.failures.append({"replica": r, "step": self._step(r),
-                                              "kind": "store lost",
-                                              "incarnation": self.incarnation[r],
-                                              "t": time.time()})
-                        print(f"noloco: replica {r} stopped: the run's store did not answer "
-                              f"for --coordinator-timeout (it saved a checkpoint)",
-                              file=sys.stderr, flush=True)
-                        dead.add(r)
-                        continue
-                    self._record_failure(r, min(failed))  # a signal (< 0) names the cause
-                    # Someone to join from: a replica here, or one alive elsewhere.
-                    others = [q for q in self.reps if q != r and q not in finished | dead]
-                    if not others:
-                        with contextlib.suppress(*store_errors()):  # unknown: nobody
-                            others = [q for q in live_replicas(self.store, self.replicas,
-                                                               self.stages) if q != r]
-                    if respawns > 0 and others:
-                        respawns -= 1
-                        self.incarnation[r] += 1
-                        self.joins.append({"replica": r, "incarnation": self.incarnation[r],
-                                           "started": time.time()})
-                        print(f"noloco: starting replica {r} again (it joins from a live "
-                              f"replica)", file=sys.stderr, flush=True)
-                        self.reps[r] = self._start(r)
-                    else:
-                        dead.add(r)
-                time.sleep(0.05)
-        finally:
-            if dashboard is not None:
-                dashboard.stop()
-            if host is not None:
-                host.stop()
-            self._stop_all()
-            self.starter.close()
-            for s, h in handlers.items():
-                signal.signal(s, h)
-        summary = combine(self.cfg, self.out, self.failures, self.joins, time.time() - t0)
-        if not finished:
-            if all(f["kind"] == "superseded" for f in self.failures):
+        self.respawns = t.respawn
+        return None
+
+    def close(self, sup: Supervisor) -> None:
+        if self.dashboard is not None:
+            self.dashboard.stop()
+            self.dashboard = None
+        if self.host is not None:
+            self.host.stop()
+            self.host = None
+
+    def groups(self, sup: Supervisor) -> dict[int, list[int]]:
+        return {r: [r * self.stages + s for s in range(self.stages)] for r in self.local}
+
+    def start(self, sup: Supervisor, group: int) -> None:
+        for stage in range(self.stages):
+            self._start_worker(group, stage, group * self.stages + stage)
+
+    # ---- a stop signal ----------------------------------------------------------------------
+    def interrupted(self, sup: Supervisor) -> int:
+        t = sup.cfg.train
+        assert sup.signum is not None
+        # Each replica (of one stage) saves the step it is at and stops; with pipeline
+        # stages they stop at once (their stages would have to agree, and such a run does
+        # not resume yet). A replica inside an operation finishes it first: it may wait
+        # --peer-timeout for a partner that stopped before it.
+        sup._stop_all(graceful=self.stages == 1,
+                      grace=STOP_SECONDS + sup.cfg.method.peer_timeout)
+        if all(p.poll() == 0 for p in sup.procs.values()):
+            return self.finished(sup, set(self.local), set())  # every one ended first
+        step = max((self._step(r) for r in self.local), default=0)
+        saved = newest_checkpoints(self.out, self.local) \
+            if self.stages == 1 and not t.coordinator else {}
+        with contextlib.suppress(OSError):
+            RunDir(self.out).update_summary(status="interrupted", last_step=step,
+                                            exit_code=128 + sup.signum,
+                                            failures=sup.failures, elastic=True,
+                                            saved_steps=saved)
+        name = signal.Signals(sup.signum).name
+        if any(s is not None for s in saved.values()):
+            at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
+                           if s is not None)
+            print(f"noloco: stopped by {name}; saved {at}; continue with: noloco "
+                  f"train --resume {self.out}", file=sys.stderr, flush=True)
+        elif self.stages > 1 or t.coordinator:
+            what = "with pipeline stages" if self.stages > 1 else "at a coordinator"
+            print(f"noloco: stopped by {name} at step {step} (an elastic run "
+                  f"{what} cannot be resumed yet)", file=sys.stderr, flush=True)
+        else:
+            print(f"noloco: stopped by {name} at step {step}, before any "
+                  f"checkpoint: nothing to resume (start again with --overwrite)",
+                  file=sys.stderr, flush=True)
+        return 128 + sup.signum
+
+    # ---- a replica failed -------------------------------------------------------------------
+    def failed(self, sup: Supervisor, group: int) -> str | int:
+        r = group
+        stages = [sup.procs[rank] for rank in self.groups(sup)[r]]
+        failed = [c for c in (p.poll() for p in stages) if c not in (None, 0)]
+        # A replica ends as a whole: its other stages cannot train without this one (they
+        # would wait for it until the timeout).
+        for p in stages:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                p.wait()
+        if SUPERSEDED_EXIT in failed:  # a newer process owns the id: not ours now
+            sup.failures.append({"replica": r, "step": self._step(r), "kind": "superseded",
+                                 "incarnation": self.incarnation[r], "t": time.time()})
+            print(f"noloco: replica {r} was taken over by a newer process with the same id; "
+                  f"not restarting it here", file=sys.stderr, flush=True)
+            return "dead"
+        if STORE_LOST_EXIT in failed:  # it stopped with a checkpoint, on purpose
+            sup.failures.append({"replica": r, "step": self._step(r), "kind": "store lost",
+                                 "incarnation": self.incarnation[r], "t": time.time()})
+            print(f"noloco: replica {r} stopped: the run's store did not answer for "
+                  f"--coordinator-timeout (it saved a checkpoint)", file=sys.stderr,
+                  flush=True)
+            return "dead"
+        self._record_failure(r, min(failed))  # a signal (< 0) names the cause
+        # Someone to join from: a replica here, or one alive elsewhere.
+        others = [q for q in self.local if q != r and q not in sup.done | sup.dead]
+        if not others:
+            with contextlib.suppress(*store_errors()):  # unknown: nobody
+                others = [q for q in live_replicas(sup.store, self.replicas, self.stages)
+                          if q != r]
+        if self.respawns > 0 and others:
+            self.respawns -= 1
+            self.incarnation[r] += 1
+            self.joins.append({"replica": r, "incarnation": self.incarnation[r],
+                               "started": time.time()})
+            print(f"noloco: starting replica {r} again (it joins from a live replica)",
+                  file=sys.stderr, flush=True)
+            self.start(sup, r)
+            return "restarted"
+        return "dead"
+
+    # ---- the end ----------------------------------------------------------------------------
+    def finished(self, sup: Supervisor, done: set[int], dead: set[int]) -> int:
+        self.close(sup)
+        summary = combine(sup.cfg, self.out, sup.failures, self.joins, time.time() - self.t0)
+        if not done:
+            if all(f["kind"] == "superseded" for f in sup.failures):
                 print("noloco: every replica here was taken over by newer processes",
                       file=sys.stderr, flush=True)
                 return 0
-            if all(f["kind"] == "store lost" for f in self.failures):
+            if all(f["kind"] == "store lost" for f in sup.failures):
                 reason = ("the run's store did not answer for --coordinator-timeout; every "
                           "replica here saved a checkpoint and stopped")
                 RunDir(self.out).update_summary(reason=reason)
@@ -225,12 +231,12 @@ class ElasticSupervisor(Supervisor):
             print("noloco: error: every replica failed", file=sys.stderr, flush=True)
             return 1
         per = summary["final_val_loss_per_replica"]
-        lost = f", {len(self.failures)} failure(s)" if self.failures else ""
+        lost = f", {len(sup.failures)} failure(s)" if sup.failures else ""
         here = "" if len(self.local) == self.replicas else " here"
         sent = summary["bytes_sent_per_replica"]
         util = summary.get("compute_utilisation")
         computing = f" (computing {util:.1%} of the training loop's time)" if util else ""
-        print(f"done: elastic {summary['method']}, {len(finished)} of "
+        print(f"done: elastic {summary['method']}, {len(done)} of "
               f"{plural(len(self.local), 'replica')}{here} finished{lost} in "
               f"{summary['wall_seconds']:.1f} s\n"
               f"  validation loss {summary['final_val_loss']:.4f} (replicas "
@@ -245,22 +251,12 @@ class ElasticSupervisor(Supervisor):
               flush=True)
         return 0
 
-    def _start(self, replica: int) -> list[Any]:
-        """The replica's P stage workers (``self.procs``, by global rank, lists every worker
-        for stopping them all)."""
-        procs = []
-        for stage in range(self.stages):
-            rank = replica * self.stages + stage
-            self.procs[rank] = p = self._start_worker(replica, stage, rank)
-            procs.append(p)
-        return procs
-
-    def _start_worker(self, replica: int, stage: int, rank: int) -> Any:
+    def _start_worker(self, replica: int, stage: int, rank: int) -> None:
+        sup = self.sup
         local_rank = self.local.index(replica) * self.stages + stage
         local_world = len(self.local) * self.stages
-        env = dict(self._env(), RANK=str(rank), LOCAL_RANK=str(local_rank),
+        env = dict(sup.base_env(), RANK=str(rank), LOCAL_RANK=str(local_rank),
                    LOCAL_WORLD_SIZE=str(local_world))
-        t = self.cfg.train
         if self.coordinator is not None:
             # Across machines: the coordinator's store, and gloo on the interface the user
             # names (GLOO_SOCKET_IFNAME) or the one the hostname resolves to — not loopback.
@@ -269,16 +265,15 @@ class ElasticSupervisor(Supervisor):
                     env[var] = os.environ[var]
                 else:
                     env.pop(var, None)
-        spec = self.spec.but(rank=rank, local_rank=local_rank, local_world=local_world,
-                             elastic=True, resume=self.resume,
-                             store=t.coordinator or f"127.0.0.1:{self.port}")
-        return self.starter.start([spec.to_json()], env)
+        spec = sup.spec.but(rank=rank, local_rank=local_rank, local_world=local_world,
+                            elastic=True, resume=sup.resume, store=self.address)
+        sup.start_worker(rank, spec, env)
 
     def _step(self, replica: int) -> int:
         """The last step the replica is known to have reached: its beat (which may lag the
         training thread by a beat interval, several steps of a small model) or the last line
         of its metrics here, whichever is later."""
-        hb = self._read(heartbeat_key(replica))
+        hb = self.sup.read(heartbeat_key(replica))
         step = int(hb["step"]) if hb else 0
         path = replica_metrics(self.out, replica, self.stages - 1, self.stages)
         with contextlib.suppress(OSError, ValueError):
@@ -293,13 +288,15 @@ class ElasticSupervisor(Supervisor):
         step = self._step(replica)
         report = None
         for stage in range(self.stages):  # the worker's own report, if it wrote one
-            hb = self._read(heartbeat_key(replica, stage)) or {}
-            rep = self._read(report_key(hb.get("incarnation", 0), replica * self.stages + stage))
+            hb = self.sup.read(heartbeat_key(replica, stage)) or {}
+            rep = self.sup.read(report_key(hb.get("incarnation", 0),
+                                           replica * self.stages + stage))
             if rep and rep.get("line") and report is None:
                 report = rep
         how = (signal.Signals(-code).name if code < 0 else
                (report["line"] if report and report.get("line") else f"exit code {code}"))
-        self.failures.append({"replica": replica, "step": step, "kind": how,
-                              "incarnation": self.incarnation[replica], "t": time.time()})
+        self.sup.failures.append({"replica": replica, "step": step, "kind": how,
+                                  "incarnation": self.incarnation[replica],
+                                  "t": time.time()})
         print(f"noloco: replica {replica} failed at step {step} ({how}); the others go on",
               file=sys.stderr, flush=True)
