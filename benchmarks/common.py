@@ -208,6 +208,107 @@ def add_record_flag(p: Any) -> None:
                    "default: the scratch directory " + str(SCRATCH))
 
 
+# ---- a training benchmark's flags and runs ------------------------------------------------
+
+RUN_FLAGS: dict[str, tuple[type, str]] = {
+    "data": (str, "training text (default: the built-in corpus)"),
+    "preset": (str, "model preset"),
+    "replicas": (int, "replicas N (processes)"),
+    "stages": (int, "pipeline stages P"),
+    "steps": (int, "inner steps per replica"),
+    "batch_size": (int, "sequences per step per replica"),
+    "seq_len": (int, "tokens per sequence"),
+    "microbatches": (int, "pipeline microbatches per step (0: the default, 2 x stages)"),
+    "lr": (float, "peak inner AdamW learning rate"),
+    "warmup": (int, "linear warm-up steps"),
+    "sync_every": (int, "H of DiLoCo and NoLoCo"),
+    "eval_every": (int, "evaluate every K steps"),
+    "eval_batches": (int, "validation batches per eval"),
+    "seed": (int, "seed of every run"),
+}
+"""the flags of ``noloco train`` a training benchmark passes on: their types and help"""
+
+
+def add_run_flags(p: Any, helps: dict[str, str] | None = None, **defaults: Any) -> None:
+    """``--name`` for each of ``defaults`` (in that order; names of :data:`RUN_FLAGS`, help
+    from there unless ``helps`` says otherwise)."""
+    for name, default in defaults.items():
+        kind, text = RUN_FLAGS[name]
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default,
+                       help=(helps or {}).get(name, text))
+
+
+def add_output_flags(p: Any, runs_dir: bool = True, wait_quiet: bool = True) -> None:
+    """``--runs-dir`` and ``--wait-quiet`` (where asked), ``--out-dir`` and ``--record``."""
+    if runs_dir:
+        p.add_argument("--runs-dir", default=None,
+                       help="keep the run directories here (default: a temporary directory)")
+    if wait_quiet:
+        p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                       help="before each run, wait up to this long for the load average to "
+                       "drop below the core count (the machine may be shared)")
+    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
+                   "(default: the scratch directory; benchmarks/results with --record)")
+    add_record_flag(p)
+
+
+def check_at_least_one(p: Any, a: Any, *names: str) -> None:
+    """argparse error unless every flag of ``names`` is at least 1."""
+    for name in names:
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def check_pairs(p: Any, replicas: int) -> None:
+    """argparse error unless ``replicas`` is even and at least 2 (NoLoCo pairs replicas)."""
+    if replicas < 2 or replicas % 2:
+        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+
+
+def train_command(a: Any, out: Path, method: list[str], rest: list[str] = ()) -> list[str]:
+    """``python -m noloco train``: ``method`` (the method and its layout), then the flags
+    every training benchmark passes on from ``a`` (preset, data, steps, batch, sequence,
+    learning rate, warm-up, evaluation, seed, on the CPU, into ``out``), then ``rest``."""
+    return [sys.executable, "-m", "noloco", "train", *method,
+            "--preset", a.preset, "--data", a.data,
+            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
+            "--eval-every", str(a.eval_every),
+            "--eval-sequences", str(a.eval_batches * a.batch_size),
+            "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite",
+            *rest]
+
+
+CURVE_KEYS = ("step", "tokens", "tokens_per_replica", "val_loss", "train_loss", "bytes_sent",
+              "sync_seconds", "wall_seconds", "weight_spread")
+"""what a benchmark keeps of each evaluation in metrics.jsonl"""
+
+
+def run_and_read(cmd: list[str], out: Path, name: str, keep: Sequence[str],
+                 wait_quiet: float = 0.0, curve: Sequence[str] = CURVE_KEYS
+                 ) -> dict[str, Any]:
+    """Run a ``noloco train`` command (after waiting up to ``wait_quiet`` seconds for a quiet
+    machine); the record of it: the command as typed, the ``keep`` keys of its summary, its
+    process seconds, the load before it, and the ``curve`` keys of each evaluation.
+    RuntimeError if it failed."""
+    load = wait_for_quiet(wait_quiet) if wait_quiet else load_average()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    with open(out / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    return {
+        "command": " ".join(cmd[2:]),  # as typed: noloco train ...
+        "summary": {k: summary.get(k) for k in keep},
+        "process_seconds": wall,
+        "load_average_before": load,
+        "curve": [{k: m.get(k) for k in curve} for m in metrics],
+    }
+
+
 def check_data(p: Any, data: str) -> None:
     """argparse error unless ``data`` is 'builtin', an existing path or hf:..."""
     if data != "builtin" and not data.startswith("hf:") and not Path(data).exists():

@@ -26,8 +26,6 @@ NoLoCo < DiLoCo < DDP; compute utilisation >= 0.9 for DiLoCo and NoLoCo.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,90 +46,47 @@ COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue", "single"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA),
-                   help="training text (default: the built-in corpus)")
-    p.add_argument("--preset", default="tiny", help="model preset")
-    p.add_argument("--replicas", type=int, default=8, help="replicas N (processes)")
-    p.add_argument("--steps", type=int, default=300, help="inner steps per replica")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per replica")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
-    p.add_argument("--sync-every", type=int, default=50, help="H of DiLoCo and NoLoCo")
-    p.add_argument("--eval-every", type=int, default=25, help="evaluate every K steps")
-    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per eval")
+    common.add_run_flags(p, data=str(common.DEFAULT_DATA), preset="tiny", replicas=8,
+                         steps=300, batch_size=8, seq_len=128, lr=3e-3, warmup=30,
+                         sync_every=50, eval_every=25, eval_batches=4)
     p.add_argument("--methods", nargs="+", default=[*METHODS, REFERENCE, AVERAGING],
                    choices=[*METHODS, REFERENCE, AVERAGING],
                    help="methods to run, in this order. References: 'single' (one replica "
                    "with the same per-replica settings) and 'averaging' (DiLoCo with outer lr "
                    "1 and no momentum: the replicas' weights averaged every H steps)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every run")
-    p.add_argument("--runs-dir", default=None,
-                   help="keep the run directories here (default: a temporary directory)")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to this long for the load average to drop "
-                   "below the core count (the machine may be shared)")
+    common.add_run_flags(p, seed=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 replicas, 20 steps, H 10")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default: the scratch directory; benchmarks/results with --record)")
-    common.add_record_flag(p)
+    common.add_output_flags(p)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.steps, a.sync_every, a.eval_every = 2, 20, 10, 10
         a.batch_size, a.eval_batches, a.warmup = 4, 1, 5
-    for name in ("replicas", "steps", "batch_size", "seq_len", "sync_every", "eval_every",
-                 "eval_batches"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.replicas < 2 or a.replicas % 2:
-        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+    common.check_at_least_one(p, a, "replicas", "steps", "batch_size", "seq_len", "sync_every",
+                              "eval_every", "eval_batches")
+    common.check_pairs(p, a.replicas)
     common.check_data(p, a.data)
     return a
 
 
 def train_cmd(a: argparse.Namespace, method: str, out: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "noloco", "train",
-           "--method", "diloco" if method == AVERAGING else method,
-           "--replicas", str(1 if method == REFERENCE else a.replicas),
-           "--preset", a.preset, "--data", a.data,
-           "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-           "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
-           "--eval-every", str(a.eval_every),
-           "--eval-sequences", str(a.eval_batches * a.batch_size),
-           "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
+    rest = []
     if method in ("diloco", "noloco", AVERAGING):
-        cmd += ["--sync-every", str(a.sync_every)]
+        rest += ["--sync-every", str(a.sync_every)]
     if method == AVERAGING:
-        cmd += ["--outer-lr", "1.0", "--outer-momentum", "0", "--no-nesterov"]
-    return cmd
+        rest += ["--outer-lr", "1.0", "--outer-momentum", "0", "--no-nesterov"]
+    return common.train_command(
+        a, out, ["--method", "diloco" if method == AVERAGING else method,
+                 "--replicas", str(1 if method == REFERENCE else a.replicas)], rest)
 
 
 def run_method(a: argparse.Namespace, method: str, runs: Path) -> dict[str, Any]:
     out = runs / method
-    cmd = train_cmd(a, method, out)
-    load = common.wait_for_quiet(a.wait_quiet) if a.wait_quiet else common.load_average()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{method} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    with open(out / "metrics.jsonl") as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
     keep = ("method", "replicas", "steps", "outer_steps", "sync_every", "group_size", "params",
             "param_bytes", "tokens_per_replica", "final_val_loss", "final_val_loss_per_replica",
             "bytes_sent_per_replica", "sync_seconds", "compute_seconds", "train_seconds",
             "compute_utilisation", "wall_seconds", "weight_spread", "tokens_per_second",
             "threads_per_worker")
-    return {
-        "command": " ".join(cmd[2:]),  # as typed: noloco train ...
-        "summary": {k: summary.get(k) for k in keep},
-        "process_seconds": wall,
-        "load_average_before": load,
-        "curve": [{k: m.get(k) for k in ("step", "tokens", "tokens_per_replica", "val_loss",
-                                          "train_loss", "bytes_sent", "sync_seconds",
-                                          "wall_seconds", "weight_spread")} for m in metrics],
-    }
+    return common.run_and_read(train_cmd(a, method, out), out, method, keep, a.wait_quiet)
 
 
 def judge(res: dict[str, dict[str, Any]]) -> dict[str, Any]:

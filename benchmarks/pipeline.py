@@ -21,8 +21,6 @@ summary.json and metrics.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,45 +47,24 @@ COLORS = {"ddp": "tab:gray", "diloco": "tab:red", "noloco": "tab:blue",
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA),
-                   help="training text (default: the built-in corpus)")
-    p.add_argument("--preset", default="tiny", help="model preset")
-    p.add_argument("--replicas", type=int, default=4, help="replicas N per stage")
-    p.add_argument("--stages", type=int, default=2, help="pipeline stages P")
-    p.add_argument("--steps", type=int, default=80, help="inner steps per replica")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per replica")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--microbatches", type=int, default=0,
-                   help="pipeline microbatches per step (0: the default, 2 x stages)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
-    p.add_argument("--sync-every", type=int, default=20, help="H of DiLoCo and NoLoCo")
-    p.add_argument("--eval-every", type=int, default=20, help="evaluate every K steps")
-    p.add_argument("--eval-batches", type=int, default=4, help="validation batches per eval")
+    common.add_run_flags(p, {"replicas": "replicas N per stage"},
+                         data=str(common.DEFAULT_DATA), preset="tiny", replicas=4, stages=2,
+                         steps=80, batch_size=8, seq_len=64, microbatches=0, lr=3e-3,
+                         warmup=10, sync_every=20, eval_every=20, eval_batches=4)
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
                    help="runs to make, in this order")
-    p.add_argument("--seed", type=int, default=0, help="seed of every run")
-    p.add_argument("--runs-dir", default=None,
-                   help="keep the run directories here (default: a temporary directory)")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to this long for the load average to drop "
-                   "below the core count (the machine may be shared)")
+    common.add_run_flags(p, seed=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 x 2, 6 steps")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default: the scratch directory; benchmarks/results with --record)")
-    common.add_record_flag(p)
+    common.add_output_flags(p)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.stages, a.steps, a.sync_every, a.eval_every = 2, 2, 6, 3, 3
         a.batch_size, a.seq_len, a.eval_batches, a.warmup = 4, 32, 1, 2
-    for name in ("replicas", "stages", "steps", "batch_size", "seq_len", "sync_every",
-                 "eval_every", "eval_batches"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    common.check_at_least_one(p, a, "replicas", "stages", "steps", "batch_size", "seq_len",
+                              "sync_every", "eval_every", "eval_batches")
     if a.stages < 2:
         p.error("--stages must be >= 2 (this benchmark is about pipelines)")
-    if a.replicas < 2 or a.replicas % 2:
-        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+    common.check_pairs(p, a.replicas)
     common.check_data(p, a.data)
     return a
 
@@ -100,46 +77,24 @@ def train_cmd(a: argparse.Namespace, name: str, out: Path) -> list[str]:
     if method == "independent":
         # DiLoCo whose first outer step would come after the last step: no synchronisation.
         method, sync_every = "diloco", a.steps + 1
-    cmd = [sys.executable, "-m", "noloco", "train", "--method", method,
-           "--replicas", str(replicas), "--stages", str(stages), "--routing", routing,
-           "--microbatches", str(a.microbatches), "--preset", a.preset, "--data", a.data,
-           "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-           "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
-           "--eval-every", str(a.eval_every),
-           "--eval-sequences", str(a.eval_batches * a.batch_size),
-           "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite"]
-    if method != "ddp":
-        cmd += ["--sync-every", str(sync_every)]
-    return cmd
+    return common.train_command(
+        a, out, ["--method", method, "--replicas", str(replicas), "--stages", str(stages),
+                 "--routing", routing, "--microbatches", str(a.microbatches)],
+        ["--sync-every", str(sync_every)] if method != "ddp" else [])
 
 
 def run_one(a: argparse.Namespace, name: str, runs: Path) -> dict[str, Any]:
     out = runs / name
-    cmd = train_cmd(a, name, out)
-    load = common.wait_for_quiet(a.wait_quiet) if a.wait_quiet else common.load_average()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    with open(out / "metrics.jsonl") as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
     keep = ("method", "replicas", "stages", "steps", "outer_steps", "sync_every", "params",
             "param_bytes", "tokens_per_replica", "final_val_loss", "final_val_loss_per_replica",
             "bytes_sent_per_replica", "activation_bytes", "sync_seconds", "compute_seconds",
             "train_seconds", "compute_utilisation", "wall_seconds", "weight_spread",
             "tokens_per_second", "threads_per_worker", "schedule", "routing", "microbatches",
             "bubble_fraction", "pipeline_wait_fraction_per_stage")
-    return {
-        "command": " ".join(cmd[2:]),  # as typed: noloco train ...
-        "summary": {k: summary.get(k) for k in keep},
-        "process_seconds": wall,
-        "load_average_before": load,
-        "curve": [{k: m.get(k) for k in ("step", "tokens", "val_loss", "train_loss",
-                                          "weight_spread", "bytes_sent", "activation_bytes",
-                                          "wall_seconds")} for m in metrics],
-    }
+    return common.run_and_read(train_cmd(a, name, out), out, name, keep, a.wait_quiet,
+                               curve=("step", "tokens", "val_loss", "train_loss",
+                                      "weight_spread", "bytes_sent", "activation_bytes",
+                                      "wall_seconds"))
 
 
 def _spread_ratio(res: dict[str, Any], random: str, fixed: str) -> dict[str, Any] | None:

@@ -75,17 +75,11 @@ RUNS: dict[str, list[str]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA),
-                   help="training text (default: the built-in corpus)")
-    p.add_argument("--preset", default="tiny", help="model preset")
-    p.add_argument("--replicas", type=int, default=4, help="replicas N (processes)")
-    p.add_argument("--steps", type=int, default=96, help="inner steps per replica")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step per replica")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak inner AdamW learning rate")
-    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps")
-    p.add_argument("--sync-every", type=int, default=24, help="H of every method")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches (at the end)")
+    common.add_run_flags(p, {"sync_every": "H of every method",
+                             "eval_batches": "validation batches (at the end)"},
+                         data=str(common.DEFAULT_DATA), preset="tiny", replicas=4, steps=96,
+                         batch_size=8, seq_len=64, lr=3e-3, warmup=20, sync_every=24,
+                         eval_batches=8)
     p.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
                    help="runs, in this order")
     p.add_argument("--shaped-mbit", type=float, default=100.0,
@@ -95,20 +89,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fp32 megabytes all-reduced in the overlap micro-benchmark")
     p.add_argument("--overlap-mbit", type=float, default=200.0,
                    help="link rate of the micro-benchmark, Mbit/s (0: loopback)")
-    p.add_argument("--seed", type=int, default=0, help="seed of every run")
-    p.add_argument("--runs-dir", default=None,
-                   help="keep the run directories here (default: a temporary directory)")
+    common.add_run_flags(p, seed=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 replicas, 16 steps, H 8")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default: the scratch directory; benchmarks/results with --record)")
-    common.add_record_flag(p)
+    common.add_output_flags(p, wait_quiet=False)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.steps, a.sync_every, a.batch_size, a.eval_batches, a.warmup = (
             2, 16, 8, 4, 1, 4)
         a.overlap_mb, a.shaped_steps = 2.0, 16
-    if a.replicas < 2 or a.replicas % 2:
-        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+    common.check_pairs(p, a.replicas)
     if a.sync_every % 4 or a.steps < a.sync_every or a.shaped_steps < a.sync_every:
         p.error("--sync-every must be divisible by 4 (fragments) and at most the steps")
     common.check_data(p, a.data)
@@ -173,7 +162,7 @@ def run_workers(argv: list[str], n: int, rate_mbit: float | None, log_dir: Path,
         port = PORT if ns else _free_port()
         procs = []
         for r in range(n):
-            env = {k: v for k, v in os.environ.items() if k != "NOLOCO_RUNDIR_READY"}
+            env = dict(os.environ)
             env.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(n),
                        OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MASTER_PORT=str(port),
                        MASTER_ADDR=ns.workers[0].addr if ns else "127.0.0.1")

@@ -139,7 +139,7 @@ def worker_main(spec_path: str) -> None:
 def worker_env(ns: netns.Namespaces, rank: int, extra: dict[str, str] | None = None
                ) -> dict[str, str]:
     n = len(ns.workers)
-    env = {k: v for k, v in os.environ.items() if k != "NOLOCO_RUNDIR_READY"}
+    env = dict(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0",
                # All N workers share this machine's cores: cores / N threads each.
                LOCAL_WORLD_SIZE=str(n), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
