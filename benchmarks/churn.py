@@ -157,13 +157,14 @@ def run(cmd: list[str], out: Path, gaps: list[float]) -> dict[str, Any]:
 def kept_steps(s: dict[str, Any], steps: int, replicas: int) -> int:
     """Inner steps whose result is in the final weights: a joiner's count from the step it
     (last) joined at."""
-    if not s.get("elastic"):
+    el = s.get("elastic")
+    if not el:
         return steps * replicas
     joined_at = {}
-    for j in s["joins"]:
+    for j in el["joins"]:
         if j.get("kind") == "donated":
             joined_at[j["to"]] = max(joined_at.get(j["to"], 0), j["step"])
-    return sum(steps - joined_at.get(r, 0) for r in s["replicas_finished"])
+    return sum(steps - joined_at.get(r, 0) for r in el["replicas_finished"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             base = cs["sync_seconds_per_replica"]
             row["survivor_blocked_per_failure"] = max(
                 (s["sync_seconds_per_replica"][k] - base[k]) / failures for k in survivors)
-            row["survivor_longest_wait"] = max(s["longest_wait_seconds"][k] for k in survivors)
+            row["survivor_longest_wait"] = max(s["elastic"]["longest_wait_seconds"][k]
+                                               for k in survivors)
         table[name] = row
     verdict = {} if "noloco_elastic" not in table else {
         "noloco_survivors_lose_at_most_peer_timeout_per_failure":

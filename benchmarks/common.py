@@ -284,6 +284,15 @@ CURVE_KEYS = ("step", "tokens", "tokens_per_replica", "val_loss", "train_loss", 
 """what a benchmark keeps of each evaluation in metrics.jsonl"""
 
 
+def kept(summary: dict[str, Any], keep: Sequence[str]) -> dict[str, Any]:
+    """The ``keep`` keys of a run's summary.json, as a benchmark records them. A record's
+    ``bytes_sent_per_replica`` is one replica's bytes (the mean over the replicas): what
+    summary.json called it before its format 2 (issue 33), ``bytes_sent`` there now — the
+    committed records keep their field."""
+    return {k: summary.get("bytes_sent" if k == "bytes_sent_per_replica" else k)
+            for k in keep}
+
+
 def run_and_read(cmd: list[str], out: Path, name: str, keep: Sequence[str],
                  wait_quiet: float = 0.0, curve: Sequence[str] = CURVE_KEYS
                  ) -> dict[str, Any]:
@@ -302,7 +311,7 @@ def run_and_read(cmd: list[str], out: Path, name: str, keep: Sequence[str],
         metrics = [json.loads(line) for line in f if line.strip()]
     return {
         "command": " ".join(cmd[2:]),  # as typed: noloco train ...
-        "summary": {k: summary.get(k) for k in keep},
+        "summary": kept(summary, keep),
         "process_seconds": wall,
         "load_average_before": load,
         "curve": [{k: m.get(k) for k in curve} for m in metrics],

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 load = common.load_average()
                 if side == "noloco":
                     steps, s = run_noloco(a, Path(tmp))
-                    extra = {"bytes_sent_per_replica": s["bytes_sent_per_replica"],
+                    extra = {"bytes_sent_per_replica": s["bytes_sent"],
                              "sync_seconds": s["sync_seconds"],
                              "tokens_per_second_summary": s["tokens_per_second"]}
                 else:

@@ -137,7 +137,7 @@ def run(name: str, args: list[str], runs: Path, *, checkpoints: bool = False
     s = json.loads(summary_path.read_text())
     rec = record(name, out, s, reused=False)
     rec["process_seconds"], rec["load_average_before"] = time.perf_counter() - t0, load
-    print(f"{name}: val {s['final_val_loss']:.4f}, {s['bytes_sent_per_replica'] / 2**20:.1f} "
+    print(f"{name}: val {s['final_val_loss']:.4f}, {s['bytes_sent'] / 2**20:.1f} "
           f"MiB/replica, {time.perf_counter() - t0:.0f} s", flush=True)
     return rec
 
@@ -154,7 +154,7 @@ def record(name: str, out: Path, s: dict[str, Any], reused: bool) -> dict[str, A
     keep = ("method", "replicas", "stages", "steps", "outer_steps", "sync_every",
             "final_val_loss", "final_val_loss_per_replica", "bytes_sent_per_replica",
             "weight_spread", "wall_seconds", "compute_utilisation")
-    return {"name": name, "summary": {k: s.get(k) for k in keep}, "curve": curve,
+    return {"name": name, "summary": common.kept(s, keep), "curve": curve,
             "reused": reused}
 
 

@@ -476,8 +476,9 @@ def shared_elastic_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                        "--inject-fault", ",".join(faults), "--respawn", "1")
     with env(NOLOCO_HOST_STAGING="1" if a.device == "cpu" else None):  # the GPU's path
         _, s, wall = run_noloco(argv)
-    finished = s.get("replicas_finished")
-    joined = [j for j in s.get("joins", []) if j.get("kind") == "joined"]
+    el = s.get("elastic") or {}
+    finished = el.get("replicas_finished")
+    joined = [j for j in el.get("joins", []) if j.get("kind") == "joined"]
     if finished != list(range(a.shared_replicas)) or not joined or not s.get("host_staged"):
         raise RuntimeError(f"elastic: finished {finished}, joins {s.get('joins')}")
     shutil.rmtree(run, ignore_errors=True)

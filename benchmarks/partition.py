@@ -156,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     table = {
         "bytes_sent_ratio": {k: round(cut_bytes[k] / ref_bytes[k], 4) for k in ref_bytes},
         "bytes_sent_reference": ref_bytes, "bytes_sent_cut": cut_bytes,
-        "partitions": [c for s in cut["summaries"] for c in s["partitions"]],
-        "partitions_in_reference": [c for s in ref["summaries"] for c in s["partitions"]],
+        "partitions": [c for s in cut["summaries"] for c in s["elastic"]["partitions"]],
+        "partitions_in_reference": [c for s in ref["summaries"]
+                                    for c in s["elastic"]["partitions"]],
         "seconds_to_first_exchange_after_the_cut": back,
         "unreachable_operations": per_replica(cut, "unreachable_operations"),
         "final_val_loss": {"reference": sum(s["final_val_loss"] for s in ref["summaries"]) / 2,

@@ -131,7 +131,7 @@ def run_one(a: argparse.Namespace, run: str, runs: Path) -> dict[str, Any]:
             "compute_utilisation", "wall_seconds", "weight_spread", "fragments",
             "fragment_numel", "fragment_syncs", "overlap_steps", "quantize",
             "sync_wait_mean_seconds", "sync_wait_last_arrival_seconds")
-    return {"command": " ".join(cmd[2:]), "summary": {k: summary.get(k) for k in keep},
+    return {"command": " ".join(cmd[2:]), "summary": common.kept(summary, keep),
             "process_seconds": wall, "load_average_before": load}
 
 
@@ -202,8 +202,7 @@ def run_shaped(a: argparse.Namespace, run: str, runs: Path) -> dict[str, Any]:
     keep = ("final_val_loss", "bytes_sent_per_replica", "peak_step_bytes", "sync_seconds",
             "compute_seconds", "train_seconds", "compute_utilisation", "steps",
             "sync_wait_mean_seconds", "sync_wait_last_arrival_seconds")
-    return {"command": " ".join(cmd[2:]), "summary": {k: summary.get(k) for k in keep},
-            **launch}
+    return {"command": " ".join(cmd[2:]), "summary": common.kept(summary, keep), **launch}
 
 
 # ---- overlap micro-benchmark ----------------------------------------------------------------

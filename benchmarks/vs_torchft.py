@@ -280,7 +280,7 @@ def run_noloco(a: argparse.Namespace, case: str, out: Path) -> dict[str, Any]:
          "--eval-sequences", str(a.batch_size),
          "--checkpoint-every", "0",
          "--device", "cpu", "--seed", "0"], out)
-    return {"step_seconds": step_s, "bytes_sent_per_replica": summary["bytes_sent_per_replica"],
+    return {"step_seconds": step_s, "bytes_sent_per_replica": summary["bytes_sent"],
             "peak_rss_bytes": summary["peak_rss_bytes"],
             "outer_steps_committed": summary["outer_steps"], "run": str(out)}
 

@@ -55,6 +55,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import common  # noqa: E402
 import netns  # noqa: E402
 
 PREFIX = "nlcw"
@@ -263,10 +264,10 @@ def train_scenario(name: str, rates: list[float], methods: list[str], args: argp
         row: dict[str, Any] = {
             "scenario": name, "method": method, "rates_bps": rates, "run_dir": str(run_dir),
             "command": " ".join(argv[1:]), "launch_wall_seconds": launch_wall,
-            **{k: s.get(k) for k in ("replicas", "steps", "outer_steps", "sync_every",
-                                     "param_bytes", "final_val_loss", "bytes_sent_per_replica",
-                                     "sync_seconds", "compute_seconds", "train_seconds",
-                                     "wall_seconds", "compute_utilisation")},
+            **common.kept(s, ("replicas", "steps", "outer_steps", "sync_every",
+                              "param_bytes", "final_val_loss", "bytes_sent_per_replica",
+                              "sync_seconds", "compute_seconds", "train_seconds",
+                              "wall_seconds", "compute_utilisation")),
         }
         row["predicted"] = predict_training(run_dir, method, rates, latency_s)
         out_rows.append(row)
@@ -484,8 +485,6 @@ def main(argv: list[str] | None = None) -> int:
     record["seconds"] = time.perf_counter() - t_start
     record["targets"] = targets(record)
     if args.out is None:
-        import common
-
         args.out = HERE / "results" if args.record and not args.quick else common.SCRATCH
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "wan_quick" if args.quick else "wan"

@@ -98,8 +98,8 @@ def respawn_run(mode: str, out: Path, cache: str) -> dict[str, Any]:
                                 "--eval-every", "20", "--elastic", "--peer-timeout", "3",
                                 "--inject-fault", "kill:1@5", "--respawn", "1"), env)
     s = json.loads((out / "summary.json").read_text())
-    started = [j["started"] for j in s["joins"] if "started" in j]
-    joined = [j for j in s["joins"] if j.get("kind") == "joined"]
+    started = [j["started"] for j in s["elastic"]["joins"] if "started" in j]
+    joined = [j for j in s["elastic"]["joins"] if j.get("kind") == "joined"]
     respawn = None
     if started and joined and "t" in joined[0]:
         respawn = joined[0]["t"] - started[0]

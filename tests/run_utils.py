@@ -16,7 +16,7 @@ import torch
 from noloco.cli import main
 
 SMALL = ["--batch-size", "4", "--seq-len", "32", "--eval-sequences", "8", "--log-every", "0"]
-TIMING = {"wall_seconds", "sync_seconds"}
+TIMING = {"wall_seconds", "sync_seconds", "sync_seconds_by_replica"}
 """metrics that measure time: the only fields two identical runs may disagree on"""
 SAME = ("steps", "outer_steps", "final_val_loss", "final_val_loss_per_replica",
         "bytes_sent_per_replica", "weight_spread", "peak_step_bytes", "activation_bytes",

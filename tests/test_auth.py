@@ -193,7 +193,7 @@ def test_a_run_with_the_secret_trains_and_a_machine_without_it_stops_in_one_line
         r = cli(*run, "--out", str(tmp_path / "member"), timeout=150)
         assert r.returncode == 0, r.stderr
         s = summary(tmp_path / "member")
-        assert s["replicas_finished"] == [0, 1] and s["bytes_sent_per_replica"]["0"] > 0
+        assert s["elastic"]["replicas_finished"] == [0, 1] and s["bytes_sent_per_replica"]["0"] > 0
         for name, secret in (("wrong", "w" * 32), ("none", None)):
             e = {k: v for k, v in os.environ.items() if k != auth.ENV}
             if secret is not None:

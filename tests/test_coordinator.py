@@ -90,10 +90,10 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, c
     assert proc.returncode == 0, err
     no_cpp_dump(err)
     s = summary(out)
-    assert s["status"] == "completed" and s["replicas_finished"] == [0, 1, 2, 3], err
+    assert s["status"] == "completed" and s["elastic"]["replicas_finished"] == [0, 1, 2, 3], err
     assert s["failures"] == []
     # Every replica went on in the new epoch and says so, with the operations it skipped.
-    restarts = s["store_restarts"]
+    restarts = s["elastic"]["store_restarts"]
     assert sorted(o["replica"] for o in restarts) == [0, 1, 2, 3], restarts
     assert {o["epoch"] for o in restarts} == {1}
     assert all(o["from_step"] <= o["to_step"] and o["operations_skipped"] >= 0
@@ -162,9 +162,9 @@ def test_two_runs_share_a_coordinator_without_seeing_each_other(tmp_path, corpus
     for name, p in procs.items():
         assert p.returncode == 0, errs[name]
     a, b = summary(tmp_path / "a"), summary(tmp_path / "b")
-    assert a["run_id"] == "a" and b["run_id"] == "b"
+    assert a["elastic"]["run_id"] == "a" and b["elastic"]["run_id"] == "b"
     for s in (a, b):
-        assert s["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
-        assert all(e == [] for e in s["events"].values())
+        assert s["elastic"]["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
+        assert all(e == [] for e in s["elastic"]["events"].values())
     assert a["final_val_loss_per_replica"] == b["final_val_loss_per_replica"]
     assert a["bytes_sent"] == b["bytes_sent"]

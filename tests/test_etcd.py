@@ -112,14 +112,14 @@ def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, c
     assert proc.returncode == 0, err
     no_cpp_dump(err)
     s = summary(out)
-    assert s["status"] == "completed" and s["replicas_finished"] == [0, 1, 2, 3], err
+    assert s["status"] == "completed" and s["elastic"]["replicas_finished"] == [0, 1, 2, 3], err
     assert [(f["replica"], f["kind"]) for f in s["failures"]] == [(2, "SIGKILL")]
-    assert any(j.get("kind") == "joined" and j.get("replica") == 2 for j in s["joins"])
+    assert any(j.get("kind") == "joined" and j.get("replica") == 2 for j in s["elastic"]["joins"])
     # The lost etcd member cost nothing: no replica was cut off or missed an operation
     # but for replica 2's death.
-    assert s["partitions"] == [] and s["store_restarts"] == []
-    assert all(v == 0 for v in s["unreachable_operations"].values())
-    for ev in s["events"].values():
+    assert s["elastic"]["partitions"] == [] and s["elastic"]["store_restarts"] == []
+    assert all(v == 0 for v in s["elastic"]["unreachable_operations"].values())
+    for ev in s["elastic"]["events"].values():
         assert all(e.get("missing", [2]) == [2] and e["kind"] != "unreachable" for e in ev), ev
     assert json.loads((out / "store.json").read_text())["address"] == c.address
 
@@ -167,4 +167,4 @@ def test_etcd_authentication_admits_its_users_only(tmp_path, corpus):
         r = cli(*run, "--out", str(tmp_path / "run"), timeout=180,
                 env=dict(env, NOLOCO_ETCD_USER="root", NOLOCO_ETCD_PASSWORD="pw-of-the-run"))
         assert r.returncode == 0, r.stderr
-        assert summary(tmp_path / "run")["replicas_finished"] == [0, 1]
+        assert summary(tmp_path / "run")["elastic"]["replicas_finished"] == [0, 1]

@@ -136,7 +136,7 @@ def _forged(s: dict) -> dict[str, set[int]]:
     """replica → the senders whose payloads it dropped for a failed MAC"""
     return {r: {x for e in evs for x in e.get("missing", []) + e.get("bad_mac", [])
                 if e["kind"] == "bad_mac" or "bad_mac" in e}
-            for r, evs in s["events"].items()}
+            for r, evs in s["elastic"]["events"].items()}
 
 
 @pytest.mark.slow("elastic worker processes")
@@ -151,15 +151,16 @@ def test_noloco_drops_altered_exchanges_and_a_joiner_refuses_an_altered_state(tm
     s = _run(tmp_path, "run", corpus, "--method", "noloco", "--respawn", "1",
              "--inject-fault", "tamper:0@5,tamper:1@5,slow:0:2,slow:1:2,slow:2:5,kill:3@25",
              steps=120)
-    assert s["payload_mac"] and all(v > 0 for v in s["mac_bytes_per_replica"].values())
+    el = s["elastic"]
+    assert el["payload_mac"] and all(v > 0 for v in el["mac_bytes_per_replica"].values())
     forged = _forged(s)
-    assert forged["2"] <= {0, 1} and forged["2"], s["events"]  # partners of 0 and 1 dropped
+    assert forged["2"] <= {0, 1} and forged["2"], el["events"]  # partners of 0 and 1 dropped
     assert forged["0"] <= {1} and forged["1"] <= {0}           # (and those two each other)
     assert not any(2 in v or 3 in v for v in forged.values())   # nothing honest was dropped
-    refused = [j for j in s["joins"] if j.get("kind") == "refused"]
-    assert refused and all(j["from"] in (0, 1) and "MAC" in j["why"] for j in refused), s["joins"]
-    joined = [j for j in s["joins"] if j.get("kind") == "joined"]
-    assert joined and joined[-1]["from"] == 2, s["joins"]
+    refused = [j for j in s["elastic"]["joins"] if j.get("kind") == "refused"]
+    assert refused and all(j["from"] in (0, 1) and "MAC" in j["why"] for j in refused), el["joins"]
+    joined = [j for j in s["elastic"]["joins"] if j.get("kind") == "joined"]
+    assert joined and joined[-1]["from"] == 2, s["elastic"]["joins"]
     assert all(math.isfinite(v) for v in s["final_val_loss_per_replica"].values())
 
 
@@ -174,18 +175,18 @@ def test_quantised_all_reduce_macs_change_no_number_and_leave_a_tamperer_out(tmp
     args = ["--method", "streaming", "--fragments", "2", "--quantize", "fp4"]
     sealed = _run(tmp_path, "sealed", corpus, *args)
     plain = _run(tmp_path, "plain", corpus, *args, "--no-payload-mac")
-    assert sealed["payload_mac"] and not plain["payload_mac"]
+    assert sealed["elastic"]["payload_mac"] and not plain["elastic"]["payload_mac"]
     assert sealed["final_val_loss_per_replica"] == plain["final_val_loss_per_replica"]
     assert sealed["bytes_sent_per_replica"] == plain["bytes_sent_per_replica"]
-    assert all(v > 0 for v in sealed["mac_bytes_per_replica"].values())
-    assert all(v == 0 for v in plain["mac_bytes_per_replica"].values())
-    assert not any(sealed["events"].values())
+    assert all(v > 0 for v in sealed["elastic"]["mac_bytes_per_replica"].values())
+    assert all(v == 0 for v in plain["elastic"]["mac_bytes_per_replica"].values())
+    assert not any(sealed["elastic"]["events"].values())
 
     hit = _run(tmp_path, "tampered", corpus, *args, "--inject-fault", "tamper:1@30")
     forged = _forged(hit)
-    assert all(forged[r] == {1} for r in ("0", "2", "3")), hit["events"]
-    kinds = {e["kind"] for evs in hit["events"].values() for e in evs}
-    assert "gave_up" not in kinds, hit["events"]
+    assert all(forged[r] == {1} for r in ("0", "2", "3")), hit["elastic"]["events"]
+    kinds = {e["kind"] for evs in hit["elastic"]["events"].values() for e in evs}
+    assert "gave_up" not in kinds, hit["elastic"]["events"]
     # the three went on stepping together after the tampering began
     assert all(hit["bytes_sent_per_replica"][r] > sealed["bytes_sent_per_replica"][r] * 0.6
                for r in ("0", "2", "3"))

@@ -239,7 +239,8 @@ def test_machines_whose_clocks_disagree_by_minutes_exchange_every_time(tmp_path,
     for name in ("ahead", "behind"):
         s = json.loads((Path(tmp_path) / name / "summary.json").read_text())
         got.update(s["bytes_sent_per_replica"])
-        assert not any(s["events"].values()), s["events"]  # nobody missed, nobody was late
+        # nobody missed, nobody was late
+        assert not any(s["elastic"]["events"].values()), s["elastic"]["events"]
     assert got == want and min(got.values()) > 0
 
 
@@ -285,7 +286,7 @@ def test_the_same_replica_id_started_twice_the_older_process_stops(tmp_path, cor
     assert "starting replica 1 again" not in err1  # not restarted: no ping-pong
     s1 = json.loads((tmp_path / "first" / "summary.json").read_text())
     s2 = json.loads((tmp_path / "second" / "summary.json").read_text())
-    assert s1["replicas_finished"] == [0] and s2["replicas_finished"] == [1]
+    assert s1["elastic"]["replicas_finished"] == [0] and s2["elastic"]["replicas_finished"] == [1]
     assert [(f["replica"], f["kind"]) for f in s1["failures"]] == [(1, "superseded")]
     assert "replica 1 joined at step" in err2
 
@@ -370,16 +371,17 @@ def test_a_hung_replica_whose_heartbeat_runs_costs_its_partners_one_timeout(tmp_
     assert r.returncode == 0, r.stderr
     assert "hangs after step 40" in r.stderr
     s = json.loads((out / "summary.json").read_text())
-    assert s["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
+    assert s["elastic"]["replicas_finished"] == [0, 1, 2, 3] and s["failures"] == []
     # The partner that waited for it first marked it; only a snapshot fixed while that wait
     # ran (by the replicas that went on meanwhile) still held it: at most two operations in
     # the whole run waited for it, no partner twice. (Not the seconds blocked in arrivals: on
     # a loaded machine the ordinary skew of 60 arrivals sums to more than a timeout.)
-    waited = [(r, e["call"]) for r, evs in s["events"].items() if r != "2" for e in evs
+    waited = [(r, e["call"]) for r, evs in s["elastic"]["events"].items() if r != "2" for e in evs
               if e["kind"] == "absent" and 2 in e["missing"]]
-    assert 1 <= len(waited) <= 2 and len({r for r, _ in waited}) == len(waited), s["events"]
-    healed = [j for j in s["joins"] if j.get("kind") == "healed"]
-    assert healed and healed[0]["step"] > healed[0]["step_before"] + 20, s["joins"]
+    assert 1 <= len(waited) <= 2 and len({r for r, _ in waited}) == len(waited), \
+        s["elastic"]["events"]
+    healed = [j for j in s["elastic"]["joins"] if j.get("kind") == "healed"]
+    assert healed and healed[0]["step"] > healed[0]["step_before"] + 20, s["elastic"]["joins"]
     # after catching up it is a partner again: it sent more than before the hang
     per_exchange = s["bytes_sent_per_replica"]["0"] / (steps // 10)
     assert s["bytes_sent_per_replica"]["2"] > 6 * per_exchange

@@ -87,17 +87,18 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
         for noise in CPP_NOISE:
             assert noise not in err, err
     s0, s1 = (json.loads((o / "summary.json").read_text()) for o in outs)
-    assert s0["replicas_finished"] == [0, 1] and s1["replicas_finished"] == [2, 3]
+    assert s0["elastic"]["replicas_finished"] == [0, 1]
+    assert s1["elastic"]["replicas_finished"] == [2, 3]
     # Machine 1's replicas name their partition (a few seconds longer than the cut: the
     # store must answer again), machine 0's none. On a loaded machine a beat held back for
     # the peer timeout is listed too (cause "stopped"): no part of this partition.
-    cuts = [c for c in s1["partitions"] if c["cause"] == "unreachable"]
-    assert sorted(c["replica"] for c in cuts) == [2, 3], s1["partitions"]
-    assert not any(c["open"] for c in s1["partitions"])
+    cuts = [c for c in s1["elastic"]["partitions"] if c["cause"] == "unreachable"]
+    assert sorted(c["replica"] for c in cuts) == [2, 3], s1["elastic"]["partitions"]
+    assert not any(c["open"] for c in s1["elastic"]["partitions"])
     for c in cuts:
         assert CUT - 1 <= c["seconds"] <= CUT + 4 * TIMEOUT, c
         assert c["from_step"] < c["to_step"], c  # it trained on while cut off
-    assert [c for c in s0["partitions"] if c["cause"] == "unreachable"] == []
+    assert [c for c in s0["elastic"]["partitions"] if c["cause"] == "unreachable"] == []
     for r in (2, 3):
         recs = records(outs[1] / "metrics" / f"replica-{r}.jsonl")
         assert recs[-1]["step"] == 300
@@ -112,8 +113,9 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
         # without it; on a loaded machine the other side may be late for the first
         # all-reduce after the cut (it waited for the cut machine at every operation of the
         # cut and fell behind it: issue 36) and heal from the cut machine instead.
-        healed = [j for j in s0["joins"] + s1["joins"] if j.get("kind") == "healed"]
-        assert healed, (s0["joins"], s1["joins"])
+        healed = [j for j in s0["elastic"]["joins"] + s1["elastic"]["joins"]
+                  if j.get("kind") == "healed"]
+        assert healed, (s0["elastic"]["joins"], s1["elastic"]["joins"])
         # one outcome everywhere: the quorum's weights, on both machines
         from safetensors.torch import load_file
         w = [load_file(str(o / "model" / f"replica-{r}.safetensors"))
@@ -144,10 +146,10 @@ def test_a_machine_cut_off_for_good_finishes_alone(tmp_path, corpus):
         for noise in CPP_NOISE:
             assert noise not in err, err
     s0, s1 = (json.loads((o / "summary.json").read_text()) for o in outs)
-    assert s1["replicas_finished"] == [2, 3]
-    assert s1["steps_per_replica"] == {"2": 120, "3": 120}
-    cuts = [c for c in s1["partitions"] if c["open"]]  # the one that lasted to the end
-    assert sorted(c["replica"] for c in cuts) == [2, 3], s1["partitions"]
+    assert s1["elastic"]["replicas_finished"] == [2, 3]
+    assert s1["elastic"]["steps_per_replica"] == {"2": 120, "3": 120}
+    cuts = [c for c in s1["elastic"]["partitions"] if c["open"]]  # the one that lasted to the end
+    assert sorted(c["replica"] for c in cuts) == [2, 3], s1["elastic"]["partitions"]
     assert all(c["cause"] == "unreachable" for c in cuts), cuts
-    assert all(v > 0 for v in s1["unreachable_operations"].values())
-    assert [c for c in s0["partitions"] if c["cause"] == "unreachable"] == []
+    assert all(v > 0 for v in s1["elastic"]["unreachable_operations"].values())
+    assert [c for c in s0["elastic"]["partitions"] if c["cause"] == "unreachable"] == []

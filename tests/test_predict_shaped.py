@@ -46,7 +46,7 @@ def test_predicted_sync_seconds_match_a_shaped_run(method, corpus):
             wan.run_workers(ns, argv, timeout=240, log_dir=work, tag=method)
         s = json.loads((run / "summary.json").read_text())
         pred = predict_run(run, RATE, 0.0, methods=(method,)).methods[0]
-    assert pred.bytes_sent_per_replica == s["bytes_sent_per_replica"]
+    assert pred.bytes_sent_per_replica == s["bytes_sent"]
     assert pred.sync_events == 2 and pred.exposed_sync_seconds > 2.5  # ~1.47 s per sync
     ratio = s["sync_seconds"] / pred.exposed_sync_seconds
     assert 0.7 < ratio < 1.7, (s["sync_seconds"], pred.exposed_sync_seconds)

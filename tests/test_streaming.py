@@ -475,7 +475,7 @@ def test_streaming_end_to_end_reports_fragments_and_peak_bytes(tmp_path, corpus)
     n0, n1 = s["fragment_numel"]
     per_sync = [quantized_all_reduce_bytes(n, 2, "fp4") for n in (n0, n1)]
     assert s["fragment_syncs"] == [2, 2]
-    assert s["bytes_sent_per_replica"] == 2 * sum(per_sync)
+    assert s["bytes_sent"] == 2 * sum(per_sync)
     assert s["peak_step_bytes"] == max(per_sync)
     assert 0 <= s["sync_wait_last_arrival_seconds"] <= s["sync_wait_mean_seconds"]
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

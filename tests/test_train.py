@@ -33,7 +33,7 @@ def test_single_run_lowers_validation_loss_and_writes_contract(tmp_path, corpus)
     assert KEYS_SUMMARY <= set(summary)
     assert metrics[-1]["val_loss"] < metrics[0]["val_loss"] - 1.0
     assert summary["final_val_loss"] == metrics[-1]["val_loss"]
-    assert summary["weight_spread"] == 0.0 and summary["bytes_sent_per_replica"] == 0
+    assert summary["weight_spread"] == 0.0 and summary["bytes_sent"] == 0
     assert json.loads((out / "config.json").read_text())["train"]["steps"] == 40
     # The same command again refuses to overwrite; with --overwrite it replaces the run.
     assert main(argv) == 2
@@ -64,9 +64,10 @@ def test_noloco_two_replicas_end_to_end(tmp_path, corpus):
     metrics, s = _read(out)
     assert s["method"] == "noloco" and s["replicas"] == 2 and s["outer_steps"] == 2
     assert len(s["final_val_loss_per_replica"]) == 2
-    assert s["final_val_loss"] == pytest.approx(sum(s["final_val_loss_per_replica"]) / 2)
+    assert s["final_val_loss"] == pytest.approx(sum(s["final_val_loss_per_replica"].values()) / 2)
     # Two outer steps, each one exchange of the fast weights (fp32) with the one partner.
-    assert s["bytes_sent_per_replica"] == 2 * s["params"] * 4
+    assert s["bytes_sent"] == 2 * s["params"] * 4
+    assert s["bytes_sent_per_replica"] == {"0": s["bytes_sent"], "1": s["bytes_sent"]}
     assert s["weight_spread"] > 0 and s["sync_seconds"] > 0
     assert 0 < s["compute_utilisation"] <= 1
 

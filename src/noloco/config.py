@@ -313,6 +313,17 @@ class Config:
         return cfg
 
     def validate(self) -> None:
+        """ConfigError for the first setting that cannot run, section by section."""
+        self._validate_basics()
+        what, n_layers = self._validate_model()
+        self._validate_numbers()
+        self._validate_method(what, n_layers)
+        self._validate_train()
+        self._validate_elastic()
+        self._validate_faults_and_device()
+
+    def _validate_basics(self) -> None:
+        """Names that must be known, counts that must be positive."""
         from noloco.model import PRESETS
 
         m, d, o, t = self.method, self.data, self.optim, self.train
@@ -341,6 +352,12 @@ class Config:
         _positive("--seq-len", d.seq_len)
         _positive("--eval-every", t.eval_every)
         _positive("--eval-sequences", t.eval_sequences)
+
+    def _validate_model(self) -> tuple[str, int]:
+        """The sequence and the stages the model can take; (how to name it, its blocks)."""
+        from noloco.model import PRESETS
+
+        m, d = self.method, self.data
         if self.model.hf_model is not None:
             from noloco import hf
 
@@ -359,6 +376,11 @@ class Config:
             raise ConfigError(
                 f"--stages {m.stages} is more than the {n_layers} blocks of {what}"
             )
+        return what, n_layers
+
+    def _validate_numbers(self) -> None:
+        """Rates, momenta and probabilities in their ranges."""
+        m, o, t = self.method, self.optim, self.train
         for name, v in (("--lr", o.lr), ("--outer-lr", m.outer_lr),
                         ("--outer-momentum", m.outer_momentum), ("--gamma", m.gamma),
                         ("--weight-decay", o.weight_decay), ("--grad-clip", o.grad_clip)):
@@ -373,6 +395,10 @@ class Config:
             raise ConfigError(f"--log-every must be >= 0, got {t.log_every}")
         if o.warmup < 0:
             raise ConfigError(f"--warmup must be >= 0, got {o.warmup}")
+
+    def _validate_method(self, what: str, n_layers: int) -> None:
+        """The method's own settings: encodings, groups, fragments, timeouts."""
+        m, d = self.method, self.data
         if m.compress is not None:
             if m.method not in COMPRESSED_METHODS:
                 raise ConfigError(f"--compress applies to --method "
@@ -446,6 +472,10 @@ class Config:
             raise ConfigError(f"--guard-factor must be > 1, got {m.guard_factor:g}")
         if not m.stall_warning > 0:
             raise ConfigError("--stall-warning must be > 0")
+
+    def _validate_train(self) -> None:
+        """The schedule and the checkpoints."""
+        m, o, t = self.method, self.optim, self.train
         if o.schedule_steps is not None:
             _positive("--schedule-steps", o.schedule_steps)
         if t.checkpoint_every is not None:
@@ -455,6 +485,10 @@ class Config:
                                   "stage saves alone, so give steps (every stage saves the "
                                   "same ones)")
         _positive("--keep-checkpoints", t.keep_checkpoints)
+
+    def _validate_elastic(self) -> None:
+        """An elastic run's settings, and the flags that need one."""
+        m, t = self.method, self.train
         if m.elastic:
             if m.method not in ("noloco", "diloco", "streaming", "sparseloco"):
                 raise ConfigError(f"--elastic applies to noloco, diloco, streaming and "
@@ -503,6 +537,9 @@ class Config:
             raise ConfigError("--respawn needs --elastic")
         if t.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {t.max_restarts}")
+
+    def _validate_faults_and_device(self) -> None:
+        m, t = self.method, self.train
         from noloco.faults import parse_faults
 
         if any(f.kind == "tamper" for f in parse_faults(t.inject_fault, m.replicas, m.stages)) \

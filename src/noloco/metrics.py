@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from noloco.comm import Communicator, flatten
+from noloco.config import Config
+from noloco.errors import plural
 
 
 def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: float | None,
@@ -52,6 +54,7 @@ def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: 
         "bytes_sent_by_replica": per_replica_bytes,
         "activation_bytes": mean(act),
         "sync_seconds": mean(per_replica_sync),
+        "sync_seconds_by_replica": per_replica_sync,
         "weight_spread": weight_spread(params, lay, world, comm),
     }
 
@@ -263,28 +266,52 @@ class Progress:
 
     def final(self, summary: dict[str, Any], out: str, schedule_steps: int | None = None
               ) -> None:
-        """A short human summary of a completed run, and the next commands to try.
-        ``schedule_steps``: where the run's learning-rate schedule ends (its --schedule-steps,
-        which a resume cannot change)."""
-        s = summary
-        per = s["final_val_loss_per_replica"]
-        spread = (f" (replicas {min(per):.4f}–{max(per):.4f})" if len(per) > 1 else "")
+        print(final_report(summary, out, schedule_steps), flush=True)
+
+
+def final_report(s: dict[str, Any], out: str, schedule_steps: int | None = None,
+                 local: int | None = None) -> str:
+    """A short human summary of a completed run (its summary.json ``s``), static or elastic,
+    and the next commands to try. ``schedule_steps``: where the run's learning-rate schedule
+    ends (its --schedule-steps, which a resume cannot change). ``local``: an elastic run's
+    replicas on this machine (default: all)."""
+    el = s.get("elastic")
+    per = [v for v in (s.get("final_val_loss_per_replica") or {}).values() if v is not None]
+    spread = f" (replicas {min(per):.4f}–{max(per):.4f})" if len(per) > 1 else ""
+    util = s.get("compute_utilisation")
+    computing = (f" (computing {util:.1%} of the training loop's time)"
+                 if util is not None else "")
+    if el is None:
         stages = f" × {s['stages']} stages" if s["stages"] > 1 else ""
         outer = f", {s['outer_steps']} outer steps" if s.get("outer_steps") else ""
-        lines = [
-            f"done: {s['method']}, {s['replicas']} replica{'s' * (s['replicas'] > 1)}{stages}, "
-            f"{s['steps']} steps{outer} in {s['wall_seconds']:.1f} s",
-            f"  validation loss {s['final_val_loss']:.4f}{spread}, weight spread "
-            f"{s['weight_spread']:.2e}",
-            f"  sent {s['bytes_sent_per_replica'] / 1e6:,.1f} MB per replica, blocked "
-            f"{s['sync_seconds']:.2f} s in communication (computing "
-            f"{s['compute_utilisation']:.1%} of the training loop's time)",
-            f"  files: {out}/ (summary.json, metrics.jsonl, config.json, model/, checkpoints/)",
-            f"  next: noloco report {out}   (a table and plots of this run, or of several)",
-            f"        noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
-            f"        {more_steps(out, s['steps'], schedule_steps)}",
-        ]
-        print("\n".join(lines), flush=True)
+        head = (f"done: {s['method']}, {plural(s['replicas'], 'replica')}{stages}, "
+                f"{s['steps']} steps{outer}")
+        blocked = f"blocked {s['sync_seconds']:.2f} s"
+        files = "summary.json, metrics.jsonl, config.json, model/, checkpoints/"
+    else:
+        n = s["replicas"] if local is None else local
+        here = "" if n == s["replicas"] else " here"
+        failures = s.get("failures") or []
+        lost = f", {len(failures)} failure(s)" if failures else ""
+        head = (f"done: elastic {s['method']}, {len(el['replicas_finished'])} of "
+                f"{plural(n, 'replica')}{here} finished{lost}")
+        most = max((v for v in (s.get("sync_seconds_per_replica") or {}).values()),
+                   default=0.0)
+        blocked = f"blocked up to {most:.2f} s"
+        files = "summary.json, metrics/replica-K.jsonl, model/"
+    lines = [
+        f"{head} in {s['wall_seconds']:.1f} s",
+        f"  validation loss {s['final_val_loss']:.4f}{spread}, weight spread "
+        f"{s['weight_spread']:.2e}",
+        f"  sent {(s.get('bytes_sent') or 0) / 1e6:,.1f} MB per replica, {blocked} in "
+        f"communication{computing}",
+        f"  files: {out}/ ({files})",
+        f"  next: noloco report {out}   (a table and plots of this run, or of several)",
+        f"        noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
+    ]
+    if el is None:
+        lines.append(f"        {more_steps(out, s['steps'], schedule_steps)}")
+    return "\n".join(lines)
 
 
 def more_steps(out: str, steps: int, schedule_steps: int | None) -> str:
@@ -468,41 +495,63 @@ def _memory() -> dict[str, float]:
     return out
 
 
+def shared_summary(cfg: Config, per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The keys of every completed run's summary.json, static or elastic (one key set,
+    :data:`noloco.rundir.SUMMARY_FORMAT`): the run's settings, and from ``per_replica`` (each
+    replica that finished: its final ``val_loss``, ``bytes_sent`` and ``sync_seconds``) the
+    numbers of each, keyed by replica id, and their means. A static run adds its collective
+    measurements (:func:`run_summary`), an elastic one its section
+    (:func:`noloco.elastic.worker.combine`)."""
+    from noloco.checkpoint import MODEL_DIR
+    from noloco.rundir import SUMMARY_FORMAT
+
+    m, o, t = cfg.method, cfg.optim, cfg.train
+    ids = sorted(per_replica)
+
+    def by(key: str) -> dict[str, Any]:
+        return {str(r): per_replica[r][key] for r in ids}
+
+    def avg(key: str) -> float | None:
+        return mean([per_replica[r][key] for r in ids]) if ids else None
+
+    return {
+        "format": SUMMARY_FORMAT, "status": "completed", "method": m.method,
+        "replicas": m.replicas, "stages": m.stages, "steps": t.steps,
+        "sync_every": m.sync_every,
+        "final_val_loss": avg("val_loss"), "final_val_loss_per_replica": by("val_loss"),
+        # one replica's bytes and blocked seconds (the mean over the replicas), and each's
+        "bytes_sent": avg("bytes_sent"), "bytes_sent_per_replica": by("bytes_sent"),
+        "sync_seconds": avg("sync_seconds"), "sync_seconds_per_replica": by("sync_seconds"),
+        "precision": t.precision, "grad_accum": o.grad_accum,
+        "inner_optimizer": o.inner_optimizer, "model_dir": MODEL_DIR,
+    }
+
+
 def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
     """summary.json of a completed run (:class:`noloco.train.Trainer` at its end, ``rec`` its
     final evaluation). Collective: every worker calls it."""
-    from noloco import checkpoint as ckpt_mod
 
     cfg, lay, st, t = trainer.cfg, trainer.lay, trainer.state, trainer.cfg.train
     m = cfg.method
     train_s = trainer.loop_seconds() - st.eval_s
     stats = gather_scalars(trainer.world, lay, [st.compute_s, train_s])
     tps = trainer.tokens_per_step
-    summary = {
-        "status": "completed",
-        "method": m.method,
-        "replicas": lay.replicas,
-        "stages": lay.stages,
-        "steps": t.steps,
+    summary = shared_summary(cfg, {r: {"val_loss": rec["val_loss_per_replica"][r],
+                                       "bytes_sent": rec["bytes_sent_by_replica"][r],
+                                       "sync_seconds": rec["sync_seconds_by_replica"][r]}
+                                   for r in range(lay.replicas)})
+    summary.update({
         "outer_steps": trainer.method.outer_steps,
         "sync_every": trainer.method.sync_every,
         "group_size": m.group_size if m.method == "noloco" else None,
         "params": trainer.n_params_total,
         "param_bytes": trainer.param_bytes if lay.stages == 1 else None,
         "tokens_per_replica": t.steps * tps,
-        "final_val_loss": rec["val_loss"],
-        "final_val_loss_per_replica": rec["val_loss_per_replica"],
-        "bytes_sent_per_replica": rec["bytes_sent_per_replica"],
-        "bytes_sent": rec["bytes_sent"],
         # The most bytes any one worker sent in one inner step (max over all ranks).
         "peak_step_bytes": int(gather_scalars(trainer.world, lay, [st.peak_step_bytes],
                                               "max")[0]),
         "activation_bytes": rec["activation_bytes"],
         "ops": dict(trainer.comm.ops),  # rank 0's: every replica issues the same sequence
-        "grad_accum": trainer.cfg.optim.grad_accum,
-        "precision": trainer.cfg.train.precision,
-        "inner_optimizer": trainer.cfg.optim.inner_optimizer,
-        "sync_seconds": rec["sync_seconds"],
         "compute_seconds": stats[0],
         "step_seconds": stats[0] / t.steps,
         "train_seconds": stats[1],
@@ -518,9 +567,8 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "torch": torch.__version__,
         "resumed_from_step": trainer.resumed_from,
         "attempt": trainer.ctx.attempt,
-        "model_dir": ckpt_mod.MODEL_DIR,
         "startup": startup_summary(trainer),
-    }
+    })
     # collective on every worker (a CPU worker beside GPU ones reports 0)
     peak_gpu = gather_scalars(trainer.world, lay, [
         torch.cuda.max_memory_allocated(trainer.device) if trainer.device.type == "cuda"

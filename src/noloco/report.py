@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from noloco.config import ConfigError
+from noloco.rundir import upgrade_summary
 
 COLUMNS = ("run", "method", "replicas", "stages", "H", "inner", "exchange", "precision",
            "steps", "tokens / replica", "final val loss",
@@ -34,7 +35,7 @@ def load(run_dir: str | Path) -> dict[str, Any]:
     its last evaluation."""
     p = Path(run_dir)
     try:
-        summary = json.loads((p / "summary.json").read_text())
+        summary = upgrade_summary(json.loads((p / "summary.json").read_text()))
         # an elastic run writes metrics.jsonl at its end only
         lines = ((p / "metrics.jsonl").read_text().splitlines()
                  if (p / "metrics.jsonl").is_file() else [])
@@ -95,7 +96,7 @@ def row(run: dict[str, Any]) -> list[str]:
            if isinstance(x, int | float)]
     spread = statistics.stdev(per) if len(per) > 1 else None
     loss = s.get("final_val_loss") if done else last.get("val_loss")
-    sent = _mean(s.get("bytes_sent_per_replica"))
+    sent = s.get("bytes_sent")  # one replica's, the mean
     if not done and last.get("bytes_sent") is not None:
         # an elastic run's metrics line sums its reporting replicas' bytes
         sent = last["bytes_sent"] / (last.get("replicas_reporting") or 1)

@@ -129,10 +129,11 @@ class RunDir:
 
     # ---- summary.json ---------------------------------------------------------------------
     def write_summary(self, summary: dict[str, Any]) -> None:
-        write_json_atomic(self.summary_path, summary)
+        write_json_atomic(self.summary_path, {"format": SUMMARY_FORMAT, **summary})
 
     def read_summary(self) -> dict[str, Any]:
-        return json.loads(self.summary_path.read_text())
+        """summary.json in the current format (:func:`upgrade_summary`)."""
+        return upgrade_summary(json.loads(self.summary_path.read_text()))
 
     def update_summary(self, **fields: Any) -> None:
         """Merge ``fields`` into summary.json (created if missing)."""
@@ -253,3 +254,46 @@ def os_error_line(e: OSError) -> str:
     if e.filename:
         return f"cannot write {e.filename}: {e.strerror or e}"
     return str(e.strerror or e)
+
+
+# ---- summary.json's format ----------------------------------------------------------------
+
+SUMMARY_FORMAT = 2
+"""summary.json's format. 2: one key set for static and elastic runs — per-replica numbers
+keyed by replica id (``"0"``, ``"1"``, ...), ``bytes_sent`` and ``sync_seconds`` a replica's
+mean, an elastic run's own keys in its ``elastic`` section. 1 (no ``format`` key): a static
+run's per-replica losses as a list and only the mean of its bytes; an elastic run's keys at
+the top, its ``bytes_sent`` the replicas' sum and its ``sync_seconds`` their max."""
+
+ELASTIC_KEYS = ("peer_timeout", "replicas_finished", "steps_per_replica", "partial_operations",
+                "retries", "longest_wait_seconds", "arrival_seconds_per_replica", "events",
+                "payload_mac", "mac_bytes_per_replica", "partitions", "unreachable_operations",
+                "store_restarts", "run_id", "joins", "saved_steps")
+"""what only an elastic run has: the keys of its summary's ``elastic`` section"""
+
+
+def _mean(xs: Any) -> float | None:
+    xs = [x for x in xs if isinstance(x, int | float)]
+    return sum(xs) / len(xs) if xs else None
+
+
+def upgrade_summary(doc: Any) -> Any:
+    """A summary.json of any noloco version in the current format (:data:`SUMMARY_FORMAT`):
+    every reader goes through here, so a run directory of an older version still reads."""
+    if not isinstance(doc, dict) or doc.get("format", 1) >= SUMMARY_FORMAT:
+        return doc
+    d = dict(doc)
+    if d.get("elastic") is True:  # format 1 of an elastic run
+        d["elastic"] = {k: d.pop(k) for k in ELASTIC_KEYS if k in d}
+        for key in ("bytes_sent", "sync_seconds"):  # its sum and its max: now the mean
+            per = d.get(f"{key}_per_replica")
+            if isinstance(per, dict) and per:
+                d[key] = _mean(per.values())
+    else:
+        per = d.get("final_val_loss_per_replica")
+        if isinstance(per, list):
+            d["final_val_loss_per_replica"] = {str(r): v for r, v in enumerate(per)}
+        if "bytes_sent_per_replica" in d and not isinstance(d["bytes_sent_per_replica"], dict):
+            d["bytes_sent_per_replica"] = None  # format 1 kept only the mean (bytes_sent)
+    d["format"] = SUMMARY_FORMAT
+    return d

@@ -39,8 +39,9 @@ from noloco.elastic.keys import heartbeat_key
 from noloco.elastic.membership import live_replicas
 from noloco.elastic.status import STORE_FILE, Dashboard
 from noloco.elastic.worker import combine
-from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT, plural
+from noloco.errors import STORE_LOST_EXIT, SUPERSEDED_EXIT
 from noloco.launch import STOP_SECONDS, Supervisor
+from noloco.metrics import final_report
 from noloco.rundir import RunDir, write_json_atomic
 
 
@@ -151,8 +152,8 @@ class ElasticRun:
         with contextlib.suppress(OSError):
             RunDir(self.out).update_summary(status="interrupted", last_step=step,
                                             exit_code=128 + sup.signum,
-                                            failures=sup.failures, elastic=True,
-                                            saved_steps=saved)
+                                            failures=sup.failures,
+                                            elastic={"saved_steps": saved})
         name = signal.Signals(sup.signum).name
         if any(s is not None for s in saved.values()):
             at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
@@ -230,25 +231,7 @@ class ElasticRun:
                 return 1
             print("noloco: error: every replica failed", file=sys.stderr, flush=True)
             return 1
-        per = summary["final_val_loss_per_replica"]
-        lost = f", {len(sup.failures)} failure(s)" if sup.failures else ""
-        here = "" if len(self.local) == self.replicas else " here"
-        sent = summary["bytes_sent_per_replica"]
-        util = summary.get("compute_utilisation")
-        computing = f" (computing {util:.1%} of the training loop's time)" if util else ""
-        print(f"done: elastic {summary['method']}, {len(done)} of "
-              f"{plural(len(self.local), 'replica')}{here} finished{lost} in "
-              f"{summary['wall_seconds']:.1f} s\n"
-              f"  validation loss {summary['final_val_loss']:.4f} (replicas "
-              f"{min(per.values()):.4f}–{max(per.values()):.4f}), weight spread "
-              f"{summary['weight_spread']:.2e}\n"
-              f"  sent {sum(sent.values()) / len(sent) / 1e6:,.1f} MB per replica, blocked up "
-              f"to {summary['sync_seconds']:.2f} s in communication{computing}\n"
-              f"  files: {self.out}/ (summary.json, metrics/replica-K.jsonl, model/)\n"
-              f"  next: noloco report {self.out}   (a table and plots of this run, or of "
-              f"several)\n"
-              f"        noloco netsim predict {self.out} --bandwidth 1Gbit --latency 50ms",
-              flush=True)
+        print(final_report(summary, str(self.out), local=len(self.local)), flush=True)
         return 0
 
     def _start_worker(self, replica: int, stage: int, rank: int) -> None:

@@ -33,6 +33,7 @@ from noloco.elastic.keys import (
 )
 from noloco.elastic.membership import probe, read
 from noloco.errors import plural
+from noloco.rundir import upgrade_summary
 from noloco.stop import StopEvent
 
 STATES = ("training", "joining", "behind", "late", "dead", "finished", "absent")
@@ -392,8 +393,9 @@ def _from_files(path: Path, as_json: bool) -> int:
         print(f"noloco: error: the run in {path} is not running and left no summary.json",
               file=sys.stderr)
         return 1
-    s = json.loads(summary_path.read_text())
-    finished = set(s.get("replicas_finished", []))
+    s = upgrade_summary(json.loads(summary_path.read_text()))
+    el = s.get("elastic") or {}
+    finished = set(el.get("replicas_finished", []))
     failed = {f["replica"] for f in s.get("failures", [])}
     rows = []
     for r in range(int(s.get("replicas", 0))):
@@ -406,8 +408,8 @@ def _from_files(path: Path, as_json: bool) -> int:
                      "val_loss": rec.get("final_val_loss"), "blocked": rec.get("sync_seconds"),
                      "joins": len(rec.get("joins", [])) if rec else None,
                      "restarts": rec.get("incarnation")})
-    run = {"run_id": s.get("run_id", "?"), "epoch": max(
-        [o["epoch"] for o in s.get("store_restarts", [])] or [0]), "replicas": len(rows),
+    run = {"run_id": el.get("run_id", "?"), "epoch": max(
+        [o["epoch"] for o in el.get("store_restarts", [])] or [0]), "replicas": len(rows),
            "stages": 1, "rows": rows}
     print(json.dumps([run], indent=1) if as_json else
           table(run) + f"\n(the run is {s.get('status', 'over')}: from its files)")
@@ -422,7 +424,7 @@ def static_status(path: Path, as_json: bool) -> int:
 
     try:
         cfg = json.loads((path / "config.json").read_text())
-        s = json.loads((path / "summary.json").read_text()) if (
+        s = upgrade_summary(json.loads((path / "summary.json").read_text())) if (
             path / "summary.json").is_file() else {}
         evals = read_jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").is_file() else []
     except (OSError, ValueError) as e:
@@ -436,7 +438,8 @@ def static_status(path: Path, as_json: bool) -> int:
     per = (s.get("final_val_loss_per_replica") if done else None) or last.get(
         "val_loss_per_replica") or ([last.get("val_loss")] if m["replicas"] == 1 else [])
     rows = [{"replica": r, "state": state, "step": step,
-             "val_loss": per[r] if r < len(per) else None,
+             "val_loss": (per.get(str(r)) if isinstance(per, dict)  # summary.json's
+                          else per[r] if r < len(per) else None),  # metrics.jsonl's
              "val_step": steps if done else last.get("step")} for r in range(m["replicas"])]
     run = {"run": str(path), "method": m["method"], "replicas": m["replicas"],
            "stages": m["stages"], "status": state, "step": step, "steps": steps,

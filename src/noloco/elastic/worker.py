@@ -45,7 +45,7 @@ from noloco.elastic.join import Joiner
 from noloco.elastic.keys import PREFIX, starts_key
 from noloco.elastic.membership import Membership
 from noloco.integrity import Sealer, payload_key
-from noloco.metrics import Progress
+from noloco.metrics import Progress, shared_summary
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.spec import WorkerSpec
 from noloco.staging import HostStaged
@@ -136,6 +136,7 @@ class ElasticReplica(Joiner):
             "guard_rejected": [{"replica": lay.replica, "stage": lay.stage, **r}
                                for r in (method.guard.rejected
                                          if method.guard is not None else [])],
+            "guard_checked": method.guard.checked if method.guard is not None else 0,
             # messages left out of a sparse mean (malformed or not finite)
             "dropped_messages": [{"replica": lay.replica, **d} for d in method.dropped],
             # the method's settings (fragments, the exchange's encoding), for noloco report
@@ -287,48 +288,47 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
         spread = _spread_and_average(cfg, out, sorted(finished))
         if m.method in AVERAGED_METHODS and len(finished) > 1:
             names.append("average")
-    per = {str(r): s["final_val_loss"] for r, s in finished.items()}
-    summary = {
-        "status": "completed" if finished else "failed", "method": m.method, "elastic": True,
-        "replicas": m.replicas, "stages": P, "steps": cfg.train.steps,
-        "peer_timeout": m.peer_timeout,
-        "replicas_finished": sorted(finished),
-        "steps_per_replica": {str(r): s["steps"] for r, s in finished.items()},
-        "final_val_loss": sum(per.values()) / len(per) if per else None,
-        "final_val_loss_per_replica": per,
-        "bytes_sent": sum(s["bytes_sent"] for s in finished.values()),
-        "bytes_sent_per_replica": {str(r): s["bytes_sent"] for r, s in finished.items()},
-        "sync_seconds": max((s["sync_seconds"] for s in finished.values()), default=None),
-        "sync_seconds_per_replica": {str(r): s["sync_seconds"] for r, s in finished.items()},
+    every = {str(r): s for r, s in finished.items()}
+    summary = shared_summary(cfg, {r: {"val_loss": s["final_val_loss"],
+                                       "bytes_sent": s["bytes_sent"],
+                                       "sync_seconds": s["sync_seconds"]}
+                                   for r, s in finished.items()})
+    summary.update({
+        "status": "completed" if finished else "failed",
         "outer_steps": max((s["outer_steps"] for s in finished.values()), default=0),
-        "partial_operations": {str(r): s["partial_operations"] for r, s in finished.items()},
-        "retries": {str(r): s["retries"] for r, s in finished.items()},
-        "longest_wait_seconds": {str(r): s["longest_wait_seconds"] for r, s in finished.items()},
-        "arrival_seconds_per_replica": {str(r): s.get("arrival_seconds", 0.0)
-                                        for r, s in finished.items()},
-        "events": {str(r): s["events"] for r, s in finished.items()},
-        # payload MACs (noloco.integrity): their tags' bytes, apart from bytes_sent
-        "payload_mac": any(s.get("payload_mac") for s in finished.values()),
-        "mac_bytes_per_replica": {str(r): s.get("mac_bytes", 0) for r, s in finished.items()},
         "update_guard": {
-            "factor": m.guard_factor if m.update_guard else None,
+            "factor": m.guard_factor,
+            "checked": sum(s.get("guard_checked", 0) for s in finished.values()),
             "rejected": sorted((g for s in finished.values() for g in s["guard_rejected"]),
-                               key=lambda g: (g["step"], g["replica"], g["stage"]))},
+                               key=lambda g: (g["step"], g["replica"], g["stage"]))}
+        if m.update_guard else None,
         "dropped_messages": sorted((d for s in finished.values()
                                     for d in s.get("dropped_messages", [])),
                                    key=lambda d: (d["step"], d["replica"])),
-        "partitions": [c for s in finished.values() for c in s["partitions"]],
-        "unreachable_operations": {str(r): s["unreachable_ops"] for r, s in finished.items()},
-        "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],
-        "run_id": cfg.run_id(),
         "failures": failures,
-        "joins": joins + [j for s in finished.values() for j in s["joins"]],
         "weight_spread": spread,
         "wall_seconds": wall_seconds,
-        "model_dir": ckpt_mod.MODEL_DIR,
-        "precision": cfg.train.precision, "grad_accum": cfg.optim.grad_accum,
-        "inner_optimizer": cfg.optim.inner_optimizer, "sync_every": m.sync_every,
-    }
+        # what only an elastic run has (noloco.rundir.ELASTIC_KEYS)
+        "elastic": {
+            "peer_timeout": m.peer_timeout,
+            "replicas_finished": sorted(finished),
+            "steps_per_replica": {r: s["steps"] for r, s in every.items()},
+            "partial_operations": {r: s["partial_operations"] for r, s in every.items()},
+            "retries": {r: s["retries"] for r, s in every.items()},
+            "longest_wait_seconds": {r: s["longest_wait_seconds"] for r, s in every.items()},
+            "arrival_seconds_per_replica": {r: s.get("arrival_seconds", 0.0)
+                                            for r, s in every.items()},
+            "events": {r: s["events"] for r, s in every.items()},
+            # payload MACs (noloco.integrity): their tags' bytes, apart from bytes_sent
+            "payload_mac": any(s.get("payload_mac") for s in finished.values()),
+            "mac_bytes_per_replica": {r: s.get("mac_bytes", 0) for r, s in every.items()},
+            "partitions": [c for s in finished.values() for c in s["partitions"]],
+            "unreachable_operations": {r: s["unreachable_ops"] for r, s in every.items()},
+            "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],
+            "run_id": cfg.run_id(),
+            "joins": joins + [j for s in finished.values() for j in s["joins"]],
+        },
+    })
     if finished:
         any_s = next(iter(finished.values()))
         summary.update(any_s.get("settings", {}))

@@ -512,14 +512,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="also draw a figure (needs matplotlib)")
 
 
-def _fill(netsim: argparse.ArgumentParser) -> None:
-    sub = netsim.add_subparsers(
-        dest="netsim_command",
-        required=True,
-        parser_class=_Parser,
-        metavar="{latency,blocking,churn,utilisation,predict}",
-    )
-
+def _add_latency(sub: Any) -> None:
+    """``noloco netsim latency``."""
     p = sub.add_parser(
         "latency",
         help="tree/ring all-reduce versus pair exchange (Fig. 5A)",
@@ -546,6 +540,9 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
     _common(p)
     p.set_defaults(func=_guarded(_run_latency))
 
+
+def _add_blocking(sub: Any) -> None:
+    """``noloco netsim blocking``."""
     p = sub.add_parser(
         "blocking",
         help="DiLoCo barrier versus NoLoCo pairwise waits (Fig. 5B)",
@@ -578,6 +575,9 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
     _common(p)
     p.set_defaults(func=_guarded(_run_blocking))
 
+
+def _add_churn(sub: Any) -> None:
+    """``noloco netsim churn``."""
     p = sub.add_parser(
         "churn",
         help="NoLoCo's groups versus DiLoCo's quorum when replicas fail and rejoin",
@@ -604,6 +604,9 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
     _common(p)
     p.set_defaults(func=_guarded(_run_churn))
 
+
+def _add_utilisation(sub: Any) -> None:
+    """``noloco netsim utilisation``."""
     p = sub.add_parser(
         "utilisation",
         aliases=["utilization"],
@@ -649,6 +652,9 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
     _common(p)
     p.set_defaults(func=_guarded(_run_utilisation))
 
+
+def _add_predict(sub: Any) -> None:
+    """``noloco netsim predict``."""
     p = sub.add_parser(
         "predict",
         help="predict a run's wall-clock on another network",
@@ -695,6 +701,20 @@ def _fill(netsim: argparse.ArgumentParser) -> None:
     )
     _common(p)
     p.set_defaults(func=_guarded(_run_predict))
+
+
+def _fill(netsim: argparse.ArgumentParser) -> None:
+    sub = netsim.add_subparsers(
+        dest="netsim_command",
+        required=True,
+        parser_class=_Parser,
+        metavar="{latency,blocking,churn,utilisation,predict}",
+    )
+    _add_latency(sub)
+    _add_blocking(sub)
+    _add_churn(sub)
+    _add_utilisation(sub)
+    _add_predict(sub)
 
 
 def add_subparsers(subparsers: Any) -> argparse.ArgumentParser:

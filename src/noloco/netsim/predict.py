@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from noloco.netsim.latency import NetsimError
+from noloco.rundir import upgrade_summary
 
 METHODS = ("ddp", "diloco", "noloco", "streaming", "sparseloco")
 """Methods predicted by default (``single`` has nothing to synchronise)."""
@@ -207,20 +208,18 @@ def load_run(run_dir: str | Path) -> RunInfo:
     root = Path(run_dir)
     if not root.is_dir():
         raise NetsimError(f"run directory {root} not found")
-    s = _read_json(root / "summary.json")
+    s = upgrade_summary(_read_json(root / "summary.json"))
     cfg = _read_json(root / "config.json") if (root / "config.json").exists() else {}
     mcfg = cfg.get("method", {}) if isinstance(cfg.get("method"), dict) else {}
     if s.get("status") not in (None, "completed"):
         raise NetsimError(f"{root} did not complete (status {s['status']!r}): it measured no "
                           f"compute time to predict from")
-    if s.get("compute_seconds") is None and s.get("elastic"):
+    if s.get("compute_seconds") is None and s.get("elastic") is not None:
         s = {**s, **_elastic_compute(root)}
     missing = [k for k in ("method", "replicas", "steps", "compute_seconds") if s.get(k) is None]
     if missing:
         raise NetsimError(f"{root / 'summary.json'} lacks {', '.join(missing)}")
-    sent = s.get("bytes_sent_per_replica")
-    if isinstance(sent, dict):  # an elastic run's: keyed by replica
-        sent = sum(sent.values()) / len(sent) if sent else None
+    sent = s.get("bytes_sent")  # one replica's, the mean
     params = int(s.get("params") or 0)
     param_bytes = s.get("param_bytes") or 4 * params  # fp32 when only the count is known
     if not param_bytes:
