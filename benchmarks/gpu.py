@@ -392,7 +392,9 @@ def shared_argv(a: argparse.Namespace, out: Path, preset: str, device: str, *ext
 
 def shared_facts(s: dict[str, Any], wall: float) -> dict[str, Any]:
     return {"process_wall_seconds": wall, "final_val_loss": s["final_val_loss"],
-            "bytes_sent_per_replica": s["bytes_sent_per_replica"], "ops": s.get("ops"),
+            # one replica's, the mean (the field's meaning in the earlier records), and each's
+            "bytes_sent_per_replica": s["bytes_sent"],
+            "bytes_sent_by_replica": s["bytes_sent_per_replica"], "ops": s.get("ops"),
             "device": s.get("device"), "gpu": s.get("gpu"), "host_staged": s.get("host_staged"),
             "tokens_per_second": s.get("tokens_per_second"),
             "compute_utilisation": s.get("compute_utilisation")}
@@ -447,11 +449,11 @@ def shared_vs_cpu_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             sides[side] = {**shared_facts(s, wall), "forced_host_staging": staged}
             shutil.rmtree(run, ignore_errors=True)
         c, g = sides["cpu"], sides["device"]
-        same_bytes = c["bytes_sent_per_replica"] == g["bytes_sent_per_replica"]
+        same_bytes = c["bytes_sent_by_replica"] == g["bytes_sent_by_replica"]
         if not same_bytes or c["ops"] != g["ops"]:
             raise RuntimeError(f"{method}: bytes or operations differ between cpu and "
-                               f"{a.device}: {c['bytes_sent_per_replica']} {c['ops']} against "
-                               f"{g['bytes_sent_per_replica']} {g['ops']}")
+                               f"{a.device}: {c['bytes_sent_by_replica']} {c['ops']} against "
+                               f"{g['bytes_sent_by_replica']} {g['ops']}")
         out[method] = {"cpu": c, "device": g, "bytes_equal": same_bytes,
                        "val_loss_relative_difference":
                        abs(g["final_val_loss"] - c["final_val_loss"]) / c["final_val_loss"]}
@@ -480,7 +482,7 @@ def shared_elastic_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     finished = el.get("replicas_finished")
     joined = [j for j in el.get("joins", []) if j.get("kind") == "joined"]
     if finished != list(range(a.shared_replicas)) or not joined or not s.get("host_staged"):
-        raise RuntimeError(f"elastic: finished {finished}, joins {s.get('joins')}")
+        raise RuntimeError(f"elastic: finished {finished}, joins {el.get('joins')}")
     shutil.rmtree(run, ignore_errors=True)
     return {"killed": f"replica 1 at step {kill_at}", "replicas_finished": finished,
             "peak_gpu_memory_bytes": s.get("peak_gpu_memory_bytes"),

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "partitions_in_reference": [c for s in ref["summaries"]
                                     for c in s["elastic"]["partitions"]],
         "seconds_to_first_exchange_after_the_cut": back,
-        "unreachable_operations": per_replica(cut, "unreachable_operations"),
+        "unreachable_operations": {k: v for s in cut["summaries"]
+                                   for k, v in s["elastic"]["unreachable_operations"].items()},
         "final_val_loss": {"reference": sum(s["final_val_loss"] for s in ref["summaries"]) / 2,
                            "cut": sum(s["final_val_loss"] for s in cut["summaries"]) / 2},
         "cut_seconds": round(cut["cut_to"] - cut["cut_from"], 2),

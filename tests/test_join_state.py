@@ -81,3 +81,14 @@ def test_a_joiner_draws_its_own_random_numbers_not_its_first_lifes():
     expected = draws()
     join_streams({"rng": saved}, seed=0, rank=2, step=40)  # its own checkpoint's streams
     assert draws() == expected
+
+
+def test_a_replica_counts_the_join_requests_it_serves_from_when_its_trainer_is_built():
+    """Requests made while the trainer was being built (to a previous life of the replica,
+    which is gone) are skipped: the counter is read when the trainer attaches."""
+    counter = {"n": 2}
+    store = SimpleNamespace(add=lambda key, n: counter["n"])
+    joiner = Joiner(SimpleNamespace(replica=0, ns=None, store=store))
+    counter["n"] = 5  # three more requests while the model and data load
+    joiner.attach(SimpleNamespace())
+    assert joiner.served == joiner.next_serve == 5

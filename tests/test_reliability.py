@@ -351,3 +351,32 @@ def test_plot_without_matplotlib_is_refused_before_computing(tmp_path, capfd):
     err = capfd.readouterr().err.strip()
     assert err == "noloco: error: --plot needs matplotlib (pip install 'noloco[plot]')"
     assert not png.exists()
+
+
+def test_a_stop_signal_while_a_failure_is_being_diagnosed_interrupts_the_run(tmp_path, capsys):
+    """Ctrl-C in the moment after a worker failed (while the others get their grace to fail
+    too): the run is interrupted — the others stop at a common step — and no failure is
+    recorded or restarted."""
+    from types import SimpleNamespace
+
+    from noloco.launch import StaticRun
+
+    class Worker:
+        def __init__(self, code: int | None) -> None:
+            self.returncode = code
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+    stopped = []
+    sup = SimpleNamespace(
+        signum=signal.SIGINT, procs={0: Worker(None), 1: Worker(-9)}, out=tmp_path, world=2,
+        stages=1, failures=[], read=lambda key: None,
+        cfg=SimpleNamespace(train=SimpleNamespace(max_restarts=3)),
+        _stop_all=lambda graceful=False, grace=0: stopped.append(graceful))
+    policy = StaticRun()
+    policy.sup = sup
+    assert policy.failed(sup, 0) == 128 + signal.SIGINT
+    assert stopped == [True] and sup.failures == [] and policy.attempt == 0
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
+    assert capsys.readouterr().err.startswith("noloco: interrupted at step 0")

@@ -86,3 +86,15 @@ def test_report_status_and_predict_read_format_1_run_directories(old: Path, caps
     for name in ("static", "elastic"):
         assert main(["netsim", "predict", str(old / name), "--bandwidth", "1Gbit",
                      "--latency", "10ms"]) == 0
+
+
+def test_format_1_edges_keep_their_numbers():
+    """A format-1 static summary that wrote only bytes_sent_per_replica (the mean) keeps it as
+    bytes_sent; a failed elastic one (no replica finished) has no mean, not a zero sum."""
+    static = upgrade_summary({"status": "completed", "method": "ddp", "replicas": 2,
+                              "bytes_sent_per_replica": 12_000_000.0})
+    assert static["bytes_sent"] == 12_000_000.0 and static["bytes_sent_per_replica"] is None
+    failed = upgrade_summary({"status": "failed", "elastic": True, "replicas_finished": [],
+                              "bytes_sent": 0, "bytes_sent_per_replica": {},
+                              "sync_seconds_per_replica": {}})
+    assert failed["bytes_sent"] is None and failed["elastic"]["replicas_finished"] == []

@@ -312,6 +312,8 @@ class StaticRun:
 
     def failed(self, sup: Supervisor, group: int) -> str | int:
         outcome = self._ended(sup)
+        if outcome is None:  # a stop signal came first: the others stop at a common step
+            return self.interrupted(sup)
         if outcome.kind == "completed":  # every other worker ended well meanwhile: no
             return self.finished(sup, {0}, set())  # (a failure noticed, then all exit 0)
         newest = self._newest_checkpoint()
@@ -366,12 +368,15 @@ class StaticRun:
               file=sys.stderr, flush=True)
         return outcome.code
 
-    def _ended(self, sup: Supervisor) -> Outcome:
+    def _ended(self, sup: Supervisor) -> Outcome | None:
         """After the first failure is noticed: the others get a moment to fail (and report)
-        by themselves, the rest are stopped, and the cause is found."""
+        by themselves, the rest are stopped, and the cause is found. None: a stop signal
+        came meanwhile (the run is interrupted, as the supervisor's loop would say)."""
         failed: list[tuple[int, int]] = []  # (rank, exit code) in the order noticed
         first_at = time.monotonic()
         while True:
+            if sup.signum is not None:
+                return None
             codes = {r: p.poll() for r, p in sup.procs.items()}
             for r, c in codes.items():
                 if c not in (None, 0) and all(r != f for f, _ in failed):

@@ -512,7 +512,10 @@ def shared_summary(cfg: Config, per_replica: dict[int, dict[str, Any]]) -> dict[
         return {str(r): per_replica[r][key] for r in ids}
 
     def avg(key: str) -> float | None:
-        return mean([per_replica[r][key] for r in ids]) if ids else None
+        # a replica's loss that was not finite reads back from JSON as null: NaN, as in the
+        # mean of a static run
+        return mean([math.nan if per_replica[r][key] is None else per_replica[r][key]
+                     for r in ids]) if ids else None
 
     return {
         "format": SUMMARY_FORMAT, "status": "completed", "method": m.method,

@@ -287,13 +287,15 @@ def upgrade_summary(doc: Any) -> Any:
         d["elastic"] = {k: d.pop(k) for k in ELASTIC_KEYS if k in d}
         for key in ("bytes_sent", "sync_seconds"):  # its sum and its max: now the mean
             per = d.get(f"{key}_per_replica")
-            if isinstance(per, dict) and per:
-                d[key] = _mean(per.values())
+            if isinstance(per, dict):
+                d[key] = _mean(per.values())  # (None where no replica finished)
     else:
         per = d.get("final_val_loss_per_replica")
         if isinstance(per, list):
             d["final_val_loss_per_replica"] = {str(r): v for r, v in enumerate(per)}
         if "bytes_sent_per_replica" in d and not isinstance(d["bytes_sent_per_replica"], dict):
-            d["bytes_sent_per_replica"] = None  # format 1 kept only the mean (bytes_sent)
+            # format 1 kept only the mean (bytes_sent, where it wrote that too)
+            d.setdefault("bytes_sent", d["bytes_sent_per_replica"])
+            d["bytes_sent_per_replica"] = None
     d["format"] = SUMMARY_FORMAT
     return d

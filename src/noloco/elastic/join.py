@@ -101,15 +101,19 @@ class Joiner:
         """the trainer this replica's training runs in (set by :meth:`attach`)"""
         self.joins: list[dict[str, Any]] = []
         """what this replica donated, took (joined, healed) and refused"""
-        self.served = membership.store.add(join_key(membership.replica), 0)
+        self.served = 0
         """join requests this replica has served (as a donor; a respawned one skips those
-        made to its previous life)"""
-        self.next_serve = self.served
-        self.generation = membership.ns.generation if membership.ns is not None else 0
+        made to its previous life, and those made while its trainer was being built)"""
+        self.next_serve = 0
+        self.generation = 0
         """the store's epochs this replica moved through (its join counters are the epoch's)"""
 
     def attach(self, trainer: Trainer) -> None:
+        """The trainer, built: from here this replica counts the join requests it serves."""
         self.trainer = trainer
+        m = self.membership
+        self.served = self.next_serve = m.store.add(join_key(m.replica), 0)
+        self.generation = m.ns.generation if m.ns is not None else 0
 
     def checkpoint_root(self) -> Path:
         """Where this replica's (stage's) own checkpoints go: it saves and resumes alone."""

@@ -243,6 +243,7 @@ class ElasticRun:
         if self.coordinator is not None:
             # Across machines: the coordinator's store, and gloo on the interface the user
             # names (GLOO_SOCKET_IFNAME) or the one the hostname resolves to — not loopback.
+            env.update(MASTER_ADDR=self.coordinator[0], MASTER_PORT=str(self.coordinator[1]))
             for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
                 if var in os.environ:
                     env[var] = os.environ[var]
