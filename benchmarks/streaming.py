@@ -117,22 +117,13 @@ def train_cmd(a: argparse.Namespace, run: str, out: Path) -> list[str]:
 
 def run_one(a: argparse.Namespace, run: str, runs: Path) -> dict[str, Any]:
     out = runs / run
-    cmd = train_cmd(a, run, out)
-    load = common.load_average()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{run} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
     keep = ("method", "replicas", "steps", "outer_steps", "sync_every", "params", "param_bytes",
             "final_val_loss", "final_val_loss_per_replica", "bytes_sent_per_replica",
             "peak_step_bytes", "sync_seconds", "compute_seconds", "train_seconds",
             "compute_utilisation", "wall_seconds", "weight_spread", "fragments",
             "fragment_numel", "fragment_syncs", "overlap_steps", "quantize",
             "sync_wait_mean_seconds", "sync_wait_last_arrival_seconds")
-    return {"command": " ".join(cmd[2:]), "summary": common.kept(summary, keep),
-            "process_seconds": wall, "load_average_before": load}
+    return common.run_and_read(train_cmd(a, run, out), out, run, keep)
 
 
 # ---- workers started by hand (in shaped network namespaces when possible) -----------------

@@ -356,7 +356,7 @@ class StaticRun:
         return 0
 
     def close(self, sup: Supervisor) -> None:
-        pass
+        """Nothing of its own to release: the store is the supervisor's, and ends with it."""
 
     # ---- what went wrong -----------------------------------------------------------------
     def _interrupted_at(self, step: int) -> int:
