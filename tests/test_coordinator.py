@@ -168,3 +168,56 @@ def test_two_runs_share_a_coordinator_without_seeing_each_other(tmp_path, corpus
         assert all(e == [] for e in s["elastic"]["events"].values())
     assert a["final_val_loss_per_replica"] == b["final_val_loss_per_replica"]
     assert a["bytes_sent"] == b["bytes_sent"]
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupted_run_at_a_coordinator_resumes_each_replica_exactly(tmp_path, corpus):
+    """Ctrl-C on every machine of a run at a coordinator that stays up, then ``--resume``:
+    the run continues in a new epoch of the coordinator's store (no key of the stopped run's
+    operations can be met again), each replica from its own checkpoint, and ends bit for bit
+    where the same run without the stop ends (the static run, which an uncut elastic run
+    equals). Without the new epoch the resumed replicas would count as respawns and wait for
+    a live replica to join from."""
+    port = free_port()
+    args = ["--data", str(corpus), *RUN, "--method", "noloco", "--replicas", "2", "--steps",
+            "60"]
+    ref = subprocess.run([sys.executable, "-m", "noloco", "train", *args, "--out",
+                          str(tmp_path / "ref")], capture_output=True, text=True, env=ENV,
+                         timeout=200)
+    assert ref.returncode == 0, ref.stderr
+    coord = coordinator(port)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "noloco", "train", *args, "--elastic", "--coordinator",
+           f"127.0.0.1:{port}", "--replica-ids", "0-1", "--out", str(out)]
+    try:
+        proc = subprocess.Popen([*cmd, "--inject-fault", "pace:0:0.1,pace:1:0.1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=ENV)
+        try:
+            wait_for(lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20), 120, "step 20")
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 128 + signal.SIGINT, err
+        assert f"continue with: noloco train --resume {out}" in err, err
+        stopped = summary(out)
+        assert stopped["elastic"]["epoch"] == 0
+        saved = {int(r): s for r, s in stopped["elastic"]["saved_steps"].items()}
+        assert sorted(saved) == [0, 1] and all(20 <= s < 60 for s in saved.values()), saved
+        r = subprocess.run([sys.executable, "-m", "noloco", "train", "--resume", str(out)],
+                           capture_output=True, text=True, env=ENV, timeout=200)
+    finally:
+        coord.kill()
+    assert r.returncode == 0, r.stderr
+    no_cpp_dump(r.stderr)
+    for rep, step in saved.items():
+        assert f"replica {rep}: resuming from step {step}" in r.stderr, r.stderr
+    s = summary(out)
+    assert s["status"] == "completed" and s["elastic"]["replicas_finished"] == [0, 1]
+    assert s["elastic"]["epoch"] == 1 and s["elastic"]["joins"] == []
+    from run_utils import weights
+
+    a, b = weights(tmp_path / "ref"), weights(out)
+    for name in ("replica-0.safetensors", "replica-1.safetensors"):
+        assert all((a[name][k] == b[name][k]).all() for k in a[name]), name

@@ -15,8 +15,10 @@ import pytest
 import torch
 from run_utils import SMALL, cli, summary, wait_for, weights, worker_pids
 
+from noloco.checkpoint import complete_steps
 from noloco.cli import main
 from noloco.elastic import groups_of
+from noloco.elastic.files import replica_checkpoints
 from noloco.methods.noloco import groups_at
 
 TIMEOUT = 3.0
@@ -483,14 +485,40 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
     """Fixed routing keeps a replica's samples in its own pipeline: its stages are a fault
     domain of their own (a process group per replica), stage s of each replica exchanges with
     stage s of its partners, and a respawned replica's stages all take their state from the
-    donor's same stages at one step."""
+    donor's same stages at one step. Ctrl-C stops the stages at once; ``--resume`` continues
+    each replica from the newest step all its stages saved, and the run ends bit for bit as
+    the static one (which an uncut elastic run equals)."""
     two = [*RUN, "--replicas", "2"]  # 2 replicas x 2 stages: 4 workers (the last flag wins)
-    runs = {}
-    for mode, extra in (("static", []), ("elastic", ["--elastic"])):
-        runs[mode] = tmp_path / mode
-        r = cli("train", "--data", str(corpus), *two, *STAGES, "--method", "noloco",
-                "--steps", "40", "--out", str(runs[mode]), *extra)
-        assert r.returncode == 0, r.stderr
+    runs = {"static": tmp_path / "static", "elastic": tmp_path / "elastic"}
+    args = ["--data", str(corpus), *two, *STAGES, "--method", "noloco", "--steps", "40"]
+    r = cli("train", *args, "--out", str(runs["static"]))
+    assert r.returncode == 0, r.stderr
+    # Paced steps (a sleep): stopped mid-run, between two checkpoints of each stage.
+    proc = subprocess.Popen([sys.executable, "-m", "noloco", "train", *args, "--elastic",
+                             "--checkpoint-every", "10", "--out", str(runs["elastic"]),
+                             "--inject-fault", "pace:0:0.1,pace:1:0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: all(10 in complete_steps(replica_checkpoints(runs["elastic"], q, st,
+                                                                      2), 1)
+                             for q in (0, 1) for st in (0, 1)),
+                 120, "every stage's checkpoint of step 10")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "pipeline stages stop at once" in err and "--resume" in err, err
+    saved = {int(q): st for q, st in summary(runs["elastic"])["elastic"]["saved_steps"].items()}
+    assert sorted(saved) == [0, 1] and all(10 <= st < 40 for st in saved.values()), saved
+    r = cli("train", "--resume", str(runs["elastic"]))
+    assert r.returncode == 0, r.stderr
+    for q, st in saved.items():
+        for stage in (0, 1):
+            assert f"replica {q} stage {stage}: resuming from step {st}" in r.stderr, r.stderr
+            own = json.loads((runs["elastic"] / "metrics" / f"replica-{q}.stage-{stage}.json")
+                             .read_text())
+            assert own["resumed_from_step"] == st
     a, b = weights(runs["static"]), weights(runs["elastic"])
     assert set(a) == set(b) and "replica-1.stage-1.safetensors" in b
     for name in a:

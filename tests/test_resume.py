@@ -104,24 +104,66 @@ def test_resume_refuses_what_would_change_the_run(finished, capfd, argv, msg):
     assert {p: p.stat().st_mtime_ns for p in finished.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.parametrize("change, what", [
-    ({"method": {"stages": 2, "routing": "fixed"}}, "with pipeline stages"),
-    ({"train": {"coordinator": "127.0.0.1:29400", "replica_ids": "0-1"}}, "at a coordinator")])
-def test_an_elastic_run_resumes_only_locally_and_in_one_stage(finished, tmp_path, capfd,
-                                                             change, what):
-    """What elastic --resume does not do yet is one line, before anything starts."""
-    import shutil
+def test_an_elastic_replica_resumes_from_the_newest_step_all_its_stages_hold(tmp_path):
+    """Pipeline stages stop at once (no agreed step): a replica continues from the newest
+    step every one of its stages saved whole; none in common, none."""
+    from noloco.elastic.files import newest_checkpoints, replica_checkpoints
 
-    run = tmp_path / "elastic"
-    shutil.copytree(finished, run)
-    cfg = json.loads((run / "config.json").read_text())
-    cfg["method"].update(method="noloco", replicas=2, elastic=True, sync_every=5)
-    for section, values in change.items():
-        cfg[section].update(values)
-    (run / "config.json").write_text(json.dumps(cfg))
-    assert main(["train", "--resume", str(run), "--steps", "20"]) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"--resume of an elastic run {what} is not supported yet" in err[0]
+    held = {(0, 0): [10, 20, 30], (0, 1): [10, 20], (1, 0): [10], (1, 1): [20]}
+    for (r, s), steps in held.items():
+        for step in steps:
+            C.receipt_file(replica_checkpoints(tmp_path, r, s, 2), step, 0).parent.mkdir(
+                parents=True)
+            C.receipt_file(replica_checkpoints(tmp_path, r, s, 2), step, 0).write_text("{}")
+    C.step_dir(replica_checkpoints(tmp_path, 0, 1, 2), 30).mkdir()  # no receipt: unfinished
+    assert newest_checkpoints(tmp_path, [0, 1], 2) == {0: 20, 1: None}
+    assert newest_checkpoints(tmp_path, [0], 1) == {0: None}  # one stage: replica-0/ itself
+
+
+def test_machines_resuming_at_one_coordinator_meet_in_one_new_epoch(tmp_path):
+    """``--resume`` at a coordinator that stayed up: the first machine to resume moves the
+    run to a new epoch (no key of the stopped run's operations is met again), a machine
+    resuming after it finds that epoch and stays, and a machine whose run trains on at
+    another machine's replicas does not move it (its replicas join them)."""
+    import json
+
+    from noloco.config import Config
+    from noloco.elastic.deadline import Namespace, open_store
+    from noloco.elastic.host import Host
+    from noloco.elastic.keys import live_key
+    from noloco.elastic.launcher import ElasticRun
+    from noloco.rundir import RunDir
+
+    host = Host("127.0.0.1", 0, 10.0)
+    try:
+        def machine(local: list[int], stopped_in: int | None) -> tuple[ElasticRun, object]:
+            run = ElasticRun()
+            run.out, run.replicas, run.stages, run.local = tmp_path / str(local), 3, 1, local
+            RunDir(run.out).prepare(Config(), overwrite=True)
+            RunDir(run.out).write_summary({"status": "interrupted",
+                                           "elastic": {"epoch": stopped_in}})
+            run.ns = Namespace("r1")
+            return run, open_store("127.0.0.1", host.port, 10.0, run.ns)
+
+        a, conn_a = machine([0], 0)
+        b, conn_b = machine([1], 0)
+        assert a.ns.epoch == b.ns.epoch == 0
+        a._resume_epoch(conn_a)  # nobody trains: a new epoch
+        assert a.ns.epoch == 1
+        b._resume_epoch(conn_b)  # stopped in 0, the run is in 1 now: it stays there
+        assert b.ns.epoch == 1
+        assert Namespace("r1").epoch == 0 and open_store(
+            "127.0.0.1", host.port, 10.0, ns := Namespace("r1")) and ns.epoch == 1
+        # The run trains on at replica 2 (elsewhere) in epoch 1; replica 0 here stopped in 1
+        conn_a.set(live_key(), json.dumps({"0": {"step": 5}, "2": {"step": 40}}))
+        c, conn_c = machine([0], 1)
+        c._resume_epoch(conn_c)
+        assert c.ns.epoch == 1  # its replica joins the live ones
+        conn_a.set(live_key(), json.dumps({"0": {"step": 5}}))  # only its own (stale) beat
+        c._resume_epoch(conn_c)
+        assert c.ns.epoch == 2
+    finally:
+        host.stop()
 
 
 def test_resume_needs_a_run_with_a_checkpoint(tmp_path, corpus, capfd):

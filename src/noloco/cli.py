@@ -153,12 +153,6 @@ def resume_config(ns: argparse.Namespace) -> Config:
                               f"{run_dir} used {old!r}, not {new!r} (only "
                               f"{', '.join(_resumable_flags())} may differ)")
     wanted.train.out, wanted.train.overwrite = str(run_dir), False
-    m = wanted.method
-    if m.elastic and (m.stages > 1 or wanted.train.coordinator):
-        what = "with pipeline stages" if m.stages > 1 else "at a coordinator"
-        raise ConfigError(f"--resume of an elastic run {what} is not supported yet (a local "
-                          f"elastic run of one stage resumes each replica from its own "
-                          f"checkpoint)")
     return wanted.resolved()
 
 
@@ -254,13 +248,14 @@ def _preflight_resume(cfg: Config) -> None:
 
 
 def _elastic_steps(cfg: Config) -> list[int]:
-    """The newest complete checkpoint of each of this machine's replicas (of one stage) that
-    has one, newest first: each resumes from its own."""
+    """The newest complete checkpoint (of all its stages) of each of this machine's replicas
+    that has one, newest first: each resumes from its own."""
     from noloco.config import local_replicas
     from noloco.elastic.files import newest_checkpoints
 
     newest = newest_checkpoints(Path(cfg.train.out),
-                                local_replicas(cfg.train.replica_ids, cfg.method.replicas))
+                                local_replicas(cfg.train.replica_ids, cfg.method.replicas),
+                                cfg.method.stages)
     return sorted((s for s in newest.values() if s is not None), reverse=True)
 
 

@@ -177,7 +177,11 @@ class Elastic(Protocol):
         """The layout a replica's pipeline stages run in."""
 
     def checkpoint_root(self) -> Path:
-        """Where this replica saves and resumes alone."""
+        """Where this replica (stage) saves its own checkpoints."""
+
+    def gather_stages(self, x: int) -> list[int]:
+        """Every stage's ``x`` of this replica (collective over its stages): they resume
+        from one step (:func:`noloco.checkpoint.agree_on_step`)."""
 
     def between_steps(self) -> None:
         """Before every inner step: serve joins, heal (may move the step)."""
@@ -386,11 +390,13 @@ class Trainer:
 
     def resume(self, required: bool) -> None:
         """Continue from the newest checkpoint every worker of the checkpointer's world holds
-        whole (collective over it: the run's workers; an elastic replica alone, from its
-        own checkpoints)."""
+        whole (collective over it: the run's workers; an elastic replica's stages, each from
+        its own checkpoints)."""
         root = self.ckpt.root
 
         def gather(x: int) -> list[int]:
+            if self.elastic is not None:
+                return self.elastic.gather_stages(x)
             if self.ckpt.world == 1:
                 return [x]
             return [int(v) for v in self.world.all_gather(torch.tensor([x]))]

@@ -177,6 +177,24 @@ class Namespace:
                 self.moves.append({"epoch": got, "t": time.time()})
 
 
+    def open_next(self, conn: DeadlineStore) -> None:
+        """Move the run to the epoch after the one this process is in (``conn``: a connection
+        entered into this namespace), unless another process moved it first: then to that
+        one. Every process that enters afterwards finds the new epoch (:meth:`enter`)."""
+        def outside(name: str, *args: Any) -> Any:  # a key outside every run's namespace
+            return conn._call(getattr(conn.tcp, name), *args)
+
+        key = epoch_key(self.run_id)
+        with self._lock:
+            now = outside("get", key).decode()  # written when this process entered
+            if int(now.partition(":")[0]) == self.epoch:
+                mine = f"{self.epoch + 1}:{secrets.token_hex(6)}"
+                now = outside("compare_set", key, now, mine).decode()
+                if now == mine:
+                    outside("append", RUNS_KEY, f"{self.run_id}/{self.epoch + 1},")
+            self.epoch = int(now.partition(":")[0])
+
+
 class DeadlineStore:
     """A store connection whose every request is answered within ``timeout`` seconds (a
     ``wait`` within its own timeout plus that) or raises ``DistStoreError`` (module

@@ -23,11 +23,18 @@ def replica_checkpoints(out: Path, replica: int, stage: int = 0, stages: int = 1
     return root / f"stage-{stage}" if stages > 1 else root
 
 
-def newest_checkpoints(out: Path, replicas: list[int]) -> dict[int, int | None]:
-    """Each replica's (of one stage) newest complete checkpoint, or None: where ``--resume``
-    continues it."""
-    newest = {r: ckpt_mod.complete_steps(replica_checkpoints(out, r), 1) for r in replicas}
-    return {r: steps[0] if steps else None for r, steps in newest.items()}
+def newest_checkpoints(out: Path, replicas: list[int], stages: int = 1
+                       ) -> dict[int, int | None]:
+    """Each replica's newest checkpoint that every one of its stages holds complete, or None:
+    where ``--resume`` continues it (its stages agree on that step as they resume,
+    :meth:`noloco.train.Trainer.resume`)."""
+    newest = {}
+    for r in replicas:
+        held = [set(ckpt_mod.complete_steps(replica_checkpoints(out, r, s, stages), 1))
+                for s in range(stages)]
+        common = set.intersection(*held)
+        newest[r] = max(common) if common else None
+    return newest
 
 
 def replica_summary(out: Path, replica: int, stage: int = 0, stages: int = 1) -> Path:

@@ -120,6 +120,15 @@ class Joiner:
         t = self.trainer
         return replica_checkpoints(t.rundir.path, t.lay.replica, t.lay.stage, t.lay.stages)
 
+    def gather_stages(self, x: int) -> list[int]:
+        lay = self.trainer.lay
+        if lay.stages == 1:
+            return [x]
+        # The replica's stages are the process group's whole world (noloco.elastic.worker.run)
+        got = [torch.zeros(1, dtype=torch.int64) for _ in range(lay.stages)]
+        dist.all_gather(got, torch.tensor([x], dtype=torch.int64))
+        return [int(g) for g in got]
+
     # ---- join: donor side ------------------------------------------------------------------
     def live_state(self) -> dict[str, Any]:
         """What a joining replica takes from its donor (everything but the inner optimizer,

@@ -52,6 +52,7 @@ class ElasticRun:
 
     def __init__(self) -> None:
         self.sup: Supervisor
+        self.ns: Namespace
         self.host: Host | None = None
         self.dashboard: Dashboard | None = None
         self.coordinator: tuple[str, int] | None = None
@@ -69,7 +70,7 @@ class ElasticRun:
         self.out = sup.out
         self.local = local_replicas(t.replica_ids, self.replicas)
         timeout = request_deadline(cfg.method.peer_timeout)
-        ns = Namespace(cfg.run_id())
+        ns = self.ns = Namespace(cfg.run_id())
         try:
             if t.coordinator and t.coordinator.startswith(SCHEME):  # an etcd cluster
                 self.coordinator = parse_endpoints(t.coordinator)[0]
@@ -96,6 +97,8 @@ class ElasticRun:
             print(f"noloco: error: cannot reach {where} "
                   f"({str(e).splitlines()[0][:160]})", file=sys.stderr)
             return 1
+        if sup.resume and t.coordinator:
+            self._resume_epoch(conn)
         # Its reads outlive a coordinator's restart: a failed one is retried on a new
         # connection (in the run's new epoch) the next time.
         sup.store = Renewing(conn, timeout)
@@ -119,6 +122,26 @@ class ElasticRun:
         self.respawns = t.respawn
         return None
 
+    def _resume_epoch(self, conn: Any) -> None:
+        """``--resume`` at a coordinator. Where the run trains on at another machine, this
+        machine's replicas join it (their new starts in the run's epoch, as after a crash).
+        Where nobody trains, the run continues in a new epoch of the store, whose keys no
+        operation of the stopped run wrote: each replica continues from its own checkpoint
+        and redoes no operation against the stopped run's records. The first machine to
+        resume opens it; one resuming later finds it open (above the epoch it stopped in)."""
+        saved = RunDir(self.out).read_summary().get("elastic") or {}
+        stopped_in = saved.get("epoch")
+        ns = self.ns
+        if stopped_in is not None and ns.epoch > stopped_in:
+            return  # another machine resumed the run first
+        others = {r for r in live_replicas(conn, self.replicas, self.stages)
+                  if r not in self.local}  # this machine's replicas are not running now
+        if others:
+            print(f"noloco: the run trains on at replicas {sorted(others)}: the replicas here "
+                  f"join them", file=sys.stderr, flush=True)
+            return
+        ns.open_next(conn)
+
     def close(self, sup: Supervisor) -> None:
         if self.dashboard is not None:
             self.dashboard.stop()
@@ -138,32 +161,32 @@ class ElasticRun:
     def interrupted(self, sup: Supervisor) -> int:
         t = sup.cfg.train
         assert sup.signum is not None
-        # Each replica (of one stage) saves the step it is at and stops; with pipeline
-        # stages they stop at once (their stages would have to agree, and such a run does
-        # not resume yet). A replica inside an operation finishes it first: it may wait
-        # --peer-timeout for a partner that stopped before it.
+        # Each replica (of one stage) saves the step it is at and stops. A replica inside an
+        # operation finishes it first: it may wait --peer-timeout for a partner that stopped
+        # before it. Pipeline stages stop at once (they would have to agree on a step): a
+        # resume continues from the newest step all of a replica's stages saved.
         sup._stop_all(graceful=self.stages == 1,
                       grace=STOP_SECONDS + sup.cfg.method.peer_timeout)
         if all(p.poll() == 0 for p in sup.procs.values()):
             return self.finished(sup, set(self.local), set())  # every one ended first
         step = max((self._step(r) for r in self.local), default=0)
-        saved = newest_checkpoints(self.out, self.local) \
-            if self.stages == 1 and not t.coordinator else {}
+        saved = newest_checkpoints(self.out, self.local, self.stages)
+        # The run's epoch in its store now: a resume opens the next one, unless another
+        # machine of the run did first or the run trains on elsewhere (:meth:`_resume_epoch`).
+        epoch = self.ns.epoch if t.coordinator else None
         with contextlib.suppress(OSError):
             RunDir(self.out).update_summary(status="interrupted", last_step=step,
                                             exit_code=128 + sup.signum,
                                             failures=sup.failures,
-                                            elastic={"saved_steps": saved})
+                                            elastic={"saved_steps": saved, "epoch": epoch})
         name = signal.Signals(sup.signum).name
         if any(s is not None for s in saved.values()):
             at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
                            if s is not None)
-            print(f"noloco: stopped by {name}; saved {at}; continue with: noloco "
+            redo = (" (pipeline stages stop at once: the resume redoes the steps after)"
+                    if self.stages > 1 else "")
+            print(f"noloco: stopped by {name}; saved {at}{redo}; continue with: noloco "
                   f"train --resume {self.out}", file=sys.stderr, flush=True)
-        elif self.stages > 1 or t.coordinator:
-            what = "with pipeline stages" if self.stages > 1 else "at a coordinator"
-            print(f"noloco: stopped by {name} at step {step} (an elastic run "
-                  f"{what} cannot be resumed yet)", file=sys.stderr, flush=True)
         else:
             print(f"noloco: stopped by {name} at step {step}, before any "
                   f"checkpoint: nothing to resume (start again with --overwrite)",
@@ -216,7 +239,8 @@ class ElasticRun:
     # ---- the end ----------------------------------------------------------------------------
     def finished(self, sup: Supervisor, done: set[int], dead: set[int]) -> int:
         self.close(sup)
-        summary = combine(sup.cfg, self.out, sup.failures, self.joins, time.time() - self.t0)
+        summary = combine(sup.cfg, self.out, sup.failures, self.joins, time.time() - self.t0,
+                          self.ns.epoch if sup.cfg.train.coordinator else None)
         if not done:
             if all(f["kind"] == "superseded" for f in sup.failures):
                 print("noloco: every replica here was taken over by newer processes",

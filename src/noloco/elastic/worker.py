@@ -44,6 +44,7 @@ from noloco.elastic.files import replica_metrics, replica_summary
 from noloco.elastic.join import Joiner
 from noloco.elastic.keys import PREFIX, starts_key
 from noloco.elastic.membership import Membership
+from noloco.errors import Interrupted
 from noloco.integrity import Sealer, payload_key
 from noloco.metrics import Progress, shared_summary
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
@@ -157,9 +158,10 @@ class ElasticReplica(Joiner):
 
 def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
     """One replica (stage) of an elastic run, as ``spec`` places it (its store:
-    ``spec.store``). ``spec.resume`` (``--resume``): its first life continues from its own
-    newest checkpoint (none: it joins from a live replica, as a respawned one does); a later
-    life joins, as always."""
+    ``spec.store``). ``spec.resume`` (``--resume``): its first start in the run's epoch
+    continues from its own newest checkpoint (with pipeline stages: the newest every stage
+    holds; none: it joins from a live replica, as a respawned one does); a later start joins,
+    as always (a machine resuming while the run trains on elsewhere)."""
     cfg = spec.config
     m, t = cfg.method, cfg.train
     lay = Layout.of(spec)
@@ -214,6 +216,11 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
         summary = trainer.train()
         ok = True
         return summary
+    except Interrupted:
+        # Stopped for good (a resume starts it anew): nobody waits for it, and a machine
+        # that resumes the run finds it gone at once (ElasticRun._resume_epoch).
+        membership.finish()
+        raise
     finally:
         membership.stop()
         if trainer is not None:
@@ -225,11 +232,13 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
 # ---- the run's numbers, from the replicas' own files (the launcher, at the end) -------------
 
 def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
-            joins: list[dict[str, Any]], wall_seconds: float) -> dict[str, Any]:
+            joins: list[dict[str, Any]], wall_seconds: float,
+            epoch: int | None = None) -> dict[str, Any]:
     """summary.json, metrics.jsonl and the model index of an elastic run, from the files the
     replicas left: the mean over the replicas that reported, at each evaluation step. With
     pipeline stages a replica's bytes are its stages' sum, its losses its last stage's.
-    ``cfg`` resolved (the command line's)."""
+    ``cfg`` resolved (the command line's); ``epoch``: the run's epoch in its coordinator's
+    store at the end (where a ``--resume`` of it continues, ElasticRun._resume_epoch)."""
     m = cfg.method
     P, last = m.stages, m.stages - 1
     finished: dict[int, dict[str, Any]] = {}
@@ -326,6 +335,7 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             "unreachable_operations": {r: s["unreachable_ops"] for r, s in every.items()},
             "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],
             "run_id": cfg.run_id(),
+            "epoch": epoch,
             "joins": joins + [j for s in finished.values() for j in s["joins"]],
         },
     })
