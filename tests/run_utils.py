@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -119,6 +120,22 @@ def wait_for(cond: Any, timeout: float, what: str) -> Any:
             return v
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def interrupt_elastic(proc: Any, cond: Any, out: Path) -> dict[int, int]:
+    """SIGINT to an elastic run's launcher once ``cond()`` holds; it stops with the resume
+    line, and every replica's saved step (from the summary)."""
+    try:
+        wait_for(cond, 120, "the moment to stop")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert f"continue with: noloco train --resume {out}" in err, err
+    stopped = summary(out)
+    assert stopped["status"] == "interrupted"
+    return {int(r): s for r, s in stopped["elastic"]["saved_steps"].items()}
 
 
 def alive(pid: int) -> bool:

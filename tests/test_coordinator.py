@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_utils import SMALL, summary, wait_for
+from run_utils import SMALL, interrupt_elastic, summary, wait_for
 
 pytestmark = pytest.mark.slow("a coordinator killed and restarted under elastic worker processes")
 
@@ -193,17 +193,9 @@ def test_an_interrupted_run_at_a_coordinator_resumes_each_replica_exactly(tmp_pa
         proc = subprocess.Popen([*cmd, "--inject-fault", "pace:0:0.1,pace:1:0.1"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=ENV)
-        try:
-            wait_for(lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20), 120, "step 20")
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=120)
-        finally:
-            proc.kill()
-        assert proc.returncode == 128 + signal.SIGINT, err
-        assert f"continue with: noloco train --resume {out}" in err, err
-        stopped = summary(out)
-        assert stopped["elastic"]["epoch"] == 0
-        saved = {int(r): s for r, s in stopped["elastic"]["saved_steps"].items()}
+        saved = interrupt_elastic(
+            proc, lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20), out)
+        assert summary(out)["elastic"]["epoch"] == 0
         assert sorted(saved) == [0, 1] and all(20 <= s < 60 for s in saved.values()), saved
         r = subprocess.run([sys.executable, "-m", "noloco", "train", "--resume", str(out)],
                            capture_output=True, text=True, env=ENV, timeout=200)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_utils import SMALL, cli, summary, wait_for, weights, worker_pids
+from run_utils import SMALL, cli, interrupt_elastic, summary, wait_for, weights, worker_pids
 
 from noloco.checkpoint import complete_steps
 from noloco.cli import main
@@ -151,17 +151,8 @@ def test_an_interrupted_elastic_run_resumes_each_replica_exactly(tmp_path, corpu
     out = tmp_path / "run"
     # Paced (0.1 s a step, a sleep): stopped mid-run, wherever each replica is then.
     proc = start(out, corpus, *args[2:], "--inject-fault", "pace:0:0.1,pace:1:0.1")
-    try:
-        wait_for(lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20), 120, "step 20")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGINT, err
-    assert f"continue with: noloco train --resume {out}" in err, err
-    stopped = summary(out)
-    assert stopped["status"] == "interrupted"
-    saved = {int(r): s for r, s in stopped["elastic"]["saved_steps"].items()}
+    saved = interrupt_elastic(proc, lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20),
+                              out)
     assert sorted(saved) == [0, 1] and all(20 <= s < 60 for s in saved.values()), saved
     r = cli("train", "--resume", str(out))
     assert r.returncode == 0, r.stderr
