@@ -1,6 +1,6 @@
 """The floors of noloco's code (docs/architecture.md): every import — at the top of a module
 or inside a function — points to the same floor or one below, never up. A new module must be
-given its floor here."""
+given its floor here, and its docstring's last line names it (:func:`floor_line`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,12 @@ FLOORS: list[set[str]] = [
     # 7 the command line
     {"cli", "__main__", "netsim.cli"},
 ]
+
+# what each floor is, as the last line of every module's docstring says it (floor_line)
+NAMES = ["foundations", "a run's description", "communication and the methods",
+         "one worker's training, and the models of runs",
+         "what an elastic run adds to the trainer", "a worker process",
+         "launching and watching runs, and what reads a run directory", "the command line"]
 
 
 def floor_of(module: str) -> int:
@@ -99,3 +105,38 @@ def test_the_floors_name_only_modules_that_exist():
     mods = set(modules())
     named = {n for names in FLOORS for n in names if not n.endswith(".*")}
     assert named <= mods, sorted(named - mods)
+
+
+def floor_line(floor: int) -> str:
+    """The last line of the docstring of every module on ``floor``."""
+    return f"Floor {floor} of docs/architecture.md: {NAMES[floor]}."
+
+
+def docstring_problem(module: str, path: Path) -> str | None:
+    """What is wrong with the floor line of ``module``'s docstring, or None."""
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    want = floor_line(floor_of(module))
+    if doc is None:
+        return f"noloco.{module} has no docstring; its last line should be {want!r}"
+    last = doc.splitlines()[-1]
+    if last != want:
+        return f"noloco.{module}'s docstring ends {last!r}, not {want!r}"
+    return None
+
+
+def test_every_docstring_names_its_floor():
+    """The floor a module's docstring names is the one FLOORS gives it."""
+    assert len(NAMES) == len(FLOORS)
+    wrong = [p for name, path in modules().items() if (p := docstring_problem(name, path))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_check_finds_a_wrong_floor_line(tmp_path):
+    """A docstring naming another floor, one without the line and a module without a
+    docstring are each caught."""
+    (tmp_path / "a.py").write_text(f'"""The loop.\n\n{floor_line(0)}\n"""\n')
+    (tmp_path / "b.py").write_text('"""The loop."""\n')
+    (tmp_path / "c.py").write_text("x = 1\n")
+    (tmp_path / "d.py").write_text(f'"""The loop.\n\n{floor_line(3)}"""\n')
+    assert all(docstring_problem("train", tmp_path / f) for f in ("a.py", "b.py", "c.py"))
+    assert docstring_problem("train", tmp_path / "d.py") is None

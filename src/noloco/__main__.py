@@ -1,4 +1,6 @@
-"""``python -m noloco`` and the ``noloco`` command: the command line as a process of its own."""
+"""``python -m noloco`` and the ``noloco`` command: the command line as a process of its own.
+
+Floor 7 of docs/architecture.md: the command line."""
 
 import os
 from typing import NoReturn

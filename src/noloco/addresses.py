@@ -2,7 +2,9 @@
 of noloco's but its errors, so the config (below) and the elastic machinery (above) share it.
 
 - ``HOST:PORT``: a noloco coordinator (``noloco coordinator``), or any c10d TCPStore;
-- ``etcd://H1:P1,H2:P2``: an etcd cluster's client endpoints."""
+- ``etcd://H1:P1,H2:P2``: an etcd cluster's client endpoints.
+
+Floor 0 of docs/architecture.md: foundations."""
 
 from __future__ import annotations
 

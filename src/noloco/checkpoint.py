@@ -25,6 +25,8 @@ Keeping ``keep`` checkpoints: a worker deletes its own file of step j only once 
 newer steps are complete on *every* worker (each worker announces its finished writes in the
 run's key-value store). Deleting on local knowledge alone would be unsafe: NoLoCo's workers
 are not in lockstep, so one may finish step k while another has not yet begun it.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Every ``train`` flag is generated from the config tree (:mod:`noloco.config`), s
 TOML key and a ``config.json`` field always share one name. Precedence: defaults < ``--config
 FILE.toml`` < flags. Bad input is one line on stderr and exit code 2, before anything is
 written.
+
+Floor 7 of docs/architecture.md: the command line.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ Accounting, per rank:
   (for example that NoLoCo never issues a collective).
 
 Every operation can time out (``timeout`` of the process group) instead of hanging forever.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ Every field carries its command-line flag and help text in its metadata, so `nol
 Values left at ``None`` are resolved per method by :meth:`Config.resolved` (SPEC defaults:
 NoLoCo H = 50, DiLoCo H = 100, ...). Validation raises :class:`ConfigError`, which the CLI
 turns into a one-line message and exit code 2 before anything is written.
+
+Floor 1 of docs/architecture.md: a run's description.
 """
 
 from __future__ import annotations

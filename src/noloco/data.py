@@ -8,6 +8,8 @@ non-overlapping sequences of ``seq_len + 1`` tokens (inputs and shifted targets)
 Replica r of N reads a disjoint shard: each epoch all sequences are permuted with a seed every
 replica knows, and replica r takes every N-th. The reader's whole position is two integers
 (epoch, cursor) behind ``state_dict()``, so a resumed run continues with the exact next batch.
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ Two communicators per worker, never mixed (:func:`make_comms`):
   blocked seconds are what a run reports;
 - the *metrics* communicator over the whole world, used only to check the start-up weights,
   agree on a checkpoint, gather evaluation losses and measure weight spread.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

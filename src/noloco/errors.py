@@ -1,5 +1,7 @@
 """The errors a user sees as one line (exit code 2), below every other module so that any of
-them may raise one without importing what raises it elsewhere."""
+them may raise one without importing what raises it elsewhere.
+
+Floor 0 of docs/architecture.md: foundations."""
 
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ it leaves out is freeing memory and closing descriptors, which the kernel does a
 Used by the entry points of noloco's own processes (``python -m noloco``, a worker, the warm
 parent and its forked workers). Never call it from library code: an embedding program owns its
 own exit.
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

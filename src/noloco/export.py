@@ -12,6 +12,8 @@ Two conventions differ and are converted, not approximated:
 - the byte tokenizer: token b is byte b (0–255) and 256 ends a document. It is written as a
   ``tokenizers`` byte-level BPE without merges whose vocabulary maps each byte's printable
   stand-in to the byte's value, plus ``<|endoftext|>`` = 256.
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

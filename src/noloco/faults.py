@@ -32,6 +32,8 @@ names a worker by its replica (and optionally its stage) and an inner step:
 ``REPLICA.STAGE``.
 kill, stall, hang, crash, corrupt and tamper fire once per run: in the first attempt of a fresh
 run, never again after a restart or a resume (which would otherwise replay them forever).
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

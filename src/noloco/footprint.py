@@ -26,6 +26,8 @@ It is an estimate (``benchmarks/gpu.py`` records it beside the measured peak: re
 the temporaries were counted, the estimate with its CUDA reserve was 2-8% below the measured
 allocated peak, which holds no CUDA context at all); a run is refused only when its
 estimate exceeds what the GPU holds in all.
+
+Floor 1 of docs/architecture.md: a run's description.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ Hugging Face models sample through transformers' own ``generate()``.
 and value cache; the weights are read on the CPU (as ``noloco export`` reads them: it needs no
 GPU) and moved there. Each token's logits come back to the CPU to be sampled there with the
 seed's own generator, so a seed picks the same tokens on either device while the logits agree.
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

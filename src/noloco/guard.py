@@ -26,6 +26,8 @@ A replica whose *own* update is bad cannot repair itself by rejecting others; it
 (an event ``own``) and, in NoLoCo, takes the mean of the partners it accepted in place of its
 own weights, and in DiLoCo the all-reduced step; :attr:`UpdateGuard.restart_inner` then asks
 the trainer to clear its inner optimizer state (which a NaN gradient poisoned too).
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ PATH is a local model directory (``config.json``, with or without weights) or a
 it looks like noloco's own: ``forward(tokens) → logits``, and its blocks are named
 ``…layers.K.…`` so fragments (Streaming DiLoCo) cut it by block. Pipeline stages are not
 supported for these models yet (refused in one line).
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from the payload's (``mac_bytes``), so runs with and without a secret compare by
 Not covered: gloo's own all-reduce messages (an unquantised DiLoCo all-reduce sums inside
 gloo, never in noloco's hands), and confidentiality — payloads are not encrypted
 (docs/security.md: a WireGuard tunnel between the machines gives both).
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ machine, plus what a user needs from a local run:
 
 Workers run in their own sessions (a Ctrl-C reaches the supervisor only, which stops them in
 order) and die with it if it is killed (``PR_SET_PDEATHSIG``).
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

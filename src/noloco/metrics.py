@@ -4,6 +4,8 @@ Everything here runs on the *metrics* communicator (the whole world) — except 
 spread with pipeline stages, which averages each stage over its replicas on the method's stage
 group inside ``uncounted()`` — so a run's reported training bytes and blocked seconds stay
 exactly what the method sent and waited for.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ RMSNorm, rotary position embeddings, SwiGLU MLP, causal scaled-dot-product atten
 untied input / output embeddings, as in the NoLoCo paper's models. Pipeline splitting and
 fragmenting live in :mod:`noloco.split`; they address the blocks by their module names
 (``tok_embeddings``, ``layers.K``, ``norm``, ``output``).
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

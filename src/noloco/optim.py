@@ -11,6 +11,8 @@ optimizer": the outer steps do not change.
 :class:`Inner` keeps the training loop's view of a single optimizer: ``param_groups`` (the
 schedule sets their ``lr``), ``step``, ``zero_grad``, ``state_dict`` / ``load_state_dict``
 (checkpoints, state transfers) and :meth:`Inner.reset` (a guarded restart).
+
+Floor 1 of docs/architecture.md: a run's description.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ On a GPU (untested here: no GPU in this project's machines) the messages are sta
 host memory, since the group is gloo: each send copies to the host and so waits for the
 device; the microbatches' losses stay on the device until the end of the step, one
 synchronisation per step rather than one per microbatch.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

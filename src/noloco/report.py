@@ -11,6 +11,8 @@ replica and against wall seconds, and weight spread against steps.
 
 Static and elastic runs alike; a run that did not complete (running, interrupted, failed) is
 shown with its status and the numbers of its last evaluation, — where it has none.
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ Nothing is ever half-written:
 
 An existing, non-empty run directory is never overwritten silently: :meth:`RunDir.prepare`
 refuses unless asked to overwrite, and then replaces only what this contract names.
+
+Floor 1 of docs/architecture.md: a run's description.
 """
 
 from __future__ import annotations

@@ -25,6 +25,8 @@ Wire format (:func:`to_bytes`; ``n`` elements, ``c`` chunks, ``k`` kept per chun
 Sparse messages cannot be summed inside an all-reduce: each replica's goes to every other
 (an all-gather), so the bytes one replica sends grow with the replicas N, as ``(N−1)·size``,
 where a ring all-reduce sends ``2·(N−1)/N`` of the dense tensor whatever N.
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

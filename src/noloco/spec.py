@@ -10,6 +10,8 @@ are the whole channel from a launcher to its worker (torchrun's own variables â€
 
 No secret travels in a spec (it may be a process's command line): the run secret stays where
 the user put it (``--secret-file`` or ``NOLOCO_SECRET``), read by :mod:`noloco.elastic.auth`.
+
+Floor 1 of docs/architecture.md: a run's description.
 """
 
 from __future__ import annotations

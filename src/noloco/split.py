@@ -7,6 +7,8 @@
   slice (``sequential``). Parameters outside the blocks go with the fragment of their nearest
   block: the input embedding with block 0's fragment, the final norm and output head with the
   last block's fragment.
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

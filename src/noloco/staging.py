@@ -23,6 +23,8 @@ running on the host instead of the device.
 
 Everything that is not an operation (the counters, an elastic communicator's state and
 protocol) is the inner communicator's: attribute reads and writes pass through.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ clock; under libfaketime 0.9.10, which fakes the monotonic clock but does not wr
 beating while its training thread runs on (measured: no beat in 5 s at a 0.6 s interval,
 ``faketime -f +120s``). ``time.sleep`` is wrapped consistently. The tests of liveness under
 skewed clocks run under libfaketime, and a beat thread must beat there as anywhere.
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ file: the first builds, the others wait and map what it wrote.
 Where the cache lives: ``$NOLOCO_TOKEN_CACHE`` (a directory, or ``off`` to tokenise in memory
 as before), else ``$XDG_CACHE_HOME/noloco/tokens``, else ``~/.cache/noloco/tokens``. A cache
 directory that cannot be written falls back to tokenising in memory.
+
+Floor 1 of docs/architecture.md: a run's description.
 """
 
 from __future__ import annotations

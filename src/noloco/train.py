@@ -4,6 +4,8 @@ Per inner step: forward/backward → the method's gradient sync → clip → Ada
 outer step (if due) → evaluate (if due) → checkpoint (if due). A checkpoint holds everything
 the next step depends on, so a resumed run is bit-identical to one that never stopped (on
 the same machine and thread count).
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations

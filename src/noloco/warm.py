@@ -39,6 +39,8 @@ caller (an embedding program, a test process) starts it as a new program.
 worker a fresh ``python -m noloco.worker``), as does a platform without ``fork`` or ``prctl``,
 or a warm parent that fails to start or finds a second thread in itself: then the launcher
 starts fresh processes, as before.
+
+Floor 5 of docs/architecture.md: a worker process.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ into a :class:`~noloco.comm.CommError` naming that rank.
 The heartbeat is written by the daemon thread, never the training thread, so a slow store
 (across machines) never slows a step; wall clocks of different machines only need to agree
 to well within ``stall_warning``.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ can end into an exit code, one line, a report in the run's store for the local l
 (:mod:`noloco.launch`), and — without one — the run's status in summary.json.
 ``python -m noloco.worker SPEC_JSON`` is how the local launcher starts a worker
 (:mod:`noloco.spec`).
+
+Floor 5 of docs/architecture.md: a worker process.
 """
 
 from __future__ import annotations

@@ -72,6 +72,8 @@ Store work
 With nobody failing every snapshot holds all replicas, every set is the whole group, and the
 values exchanged and summed are the static path's: elastic NoLoCo is bit-identical to static
 NoLoCo (a test checks).
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from noloco.elastic.communicator import ElasticCommunicator, groups_of

@@ -19,6 +19,8 @@ that sends anything else (a plain store client, a port scanner), or that does no
 no challenge, or a wrong proof back, refuses the coordinator (a stranger posing as it, or one
 started with ``--insecure``). Fresh nonces on both sides: a recorded handshake replays
 nowhere. This authenticates connections; it does not encrypt them (``docs/security.md``).
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

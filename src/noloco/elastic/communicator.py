@@ -1,5 +1,7 @@
 """The method's communicator in an elastic run: snapshots, arrival agreement and a process
-group per operation for exactly its members (see the package docstring)."""
+group per operation for exactly its members (see the package docstring).
+
+Floor 2 of docs/architecture.md: communication and the methods."""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ and started again on the same address, it comes back empty and the runs go on in
 machine then runs its replicas with ``noloco train --elastic --coordinator HOST:PORT
 --replica-ids ...``; a machine that joins late, or again after a crash, runs the same command
 and its replicas join from live ones.
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ connection while an earlier one may still be waiting for its answer.
 A worker's connections also carry the run's :class:`Namespace`: every key is put under the
 run's id and epoch (:mod:`noloco.elastic.keys`), and each new connection first checks the
 store's boot token — a coordinator that restarted empty moves every worker to a new epoch.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

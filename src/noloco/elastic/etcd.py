@@ -18,6 +18,8 @@ built on etcd's own primitives:
 gloo's rendezvous runs on it like on any c10d store. A request goes to one member and, when
 that member does not answer, to the next: the cluster's loss of a member costs a request's
 connect timeout once.
+
+Floor 0 of docs/architecture.md: foundations.
 """
 
 from __future__ import annotations

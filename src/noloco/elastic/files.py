@@ -1,6 +1,8 @@
 """Where an elastic run's replicas keep their own files in the run directory: each replica
 (stage) evaluates, checkpoints and summarises alone, and the launcher combines their files at
-the end (:func:`noloco.elastic.worker.combine`)."""
+the end (:func:`noloco.elastic.worker.combine`).
+
+Floor 4 of docs/architecture.md: what an elastic run adds to the trainer."""
 
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ each judged on its own settings. A host holds nothing that the workers cannot re
 that restarts empty gets a new boot token, the workers move to a new epoch as they reconnect
 (:class:`noloco.elastic.deadline.Namespace`), and their registrations bring its monitors
 back.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ operation count — over a two-member gloo group on the request's store prefix. 
 keeps its own inner optimizer and data position (from its newest checkpoint, if any). With
 pipeline stages every stage takes its state from the donor's same stage, all at one step that
 the donor's stage 0 fixes.
+
+Floor 4 of docs/architecture.md: what an elastic run adds to the trainer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The store layout of an elastic run: every key the replicas read and write, in one place."""
+"""The store layout of an elastic run: every key the replicas read and write, in one place.
+
+Floor 0 of docs/architecture.md: foundations."""
 
 from __future__ import annotations
 

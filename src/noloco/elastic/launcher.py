@@ -8,6 +8,8 @@ every replica has finished or died. Then the run's numbers are combined from the
 replica left (:func:`noloco.elastic.worker.combine`). The launcher hosts the store the
 replicas meet in (membership, snapshots, process-group rendezvous); it takes part in no
 training operation.
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

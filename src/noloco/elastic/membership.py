@@ -18,6 +18,8 @@ monitor has judged it dead, so it stops exchanging — it trains on alone, touch
 not at all — until a beat goes through again; then it is back as a replica that missed
 operations (see :mod:`noloco.elastic.communicator`). Every store request of the worker has a
 deadline of ``--peer-timeout`` (waits have their own): a partition cannot hold it longer.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

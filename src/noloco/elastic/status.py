@@ -7,6 +7,8 @@ step, outer steps, last validation loss, blocked seconds and joins — so a view
 nothing but one read of N heartbeats per refresh. A dashboard keeps what it read over time
 (the loss of each replica against its step, and each replica's state): its plots start when it
 does.
+
+Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
 
 from __future__ import annotations

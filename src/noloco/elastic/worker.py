@@ -13,6 +13,8 @@ involve every replica. No barrier anywhere:
 - checkpoints are per replica (``checkpoints/replica-K/``), complete on their own;
 - a replica started again (``--respawn``) *joins*: it takes a live replica's state
   (:mod:`noloco.elastic.join`) and enters the gossip at the donor's next outer step.
+
+Floor 4 of docs/architecture.md: what an elastic run adds to the trainer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The training methods, one module per paper. :func:`build_method` maps a config to one."""
+"""The training methods, one module per paper. :func:`build_method` maps a config to one.
+
+Floor 2 of docs/architecture.md: communication and the methods."""
 
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ A method wraps an unchanged training loop. The loop calls, per inner step::
 
 or, to leave the loop entirely untouched, ``method.attach(optimizer)`` registers the same two
 calls as the optimizer's pre- and post-step hooks.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ the order in which gradients become ready may differ between ranks. The overlap 
 one backward pass per optimizer step: with more (a pipeline stage runs one per microbatch;
 gradient accumulation) pass ``overlap=False``, which starts every bucket in
 :meth:`DDP.sync_gradients`.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

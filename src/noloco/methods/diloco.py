@@ -27,6 +27,8 @@ uncompressed one up to float rounding (the mean of φ − θ instead of φ − t
 
 Paper symbol → argument: H → ``sync_every``; outer learning rate → ``outer_lr``; outer
 momentum μ → ``momentum``; Nesterov → ``nesterov``; error-feedback decay → ``ef_decay``.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

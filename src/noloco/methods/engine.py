@@ -31,6 +31,8 @@ State
 
 Paper symbols: H → ``sync_every``; P → ``fragments``; τ → ``overlap_steps``; α (merge) →
 ``merge_alpha``; the exchanged values' format → ``quantize``.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ on every coordinate at every exchange is what the weight spread pays.
 
 Paper symbol → argument: H → ``sync_every``; n → ``group_size``; α → ``momentum`` (0.5);
 β → ``outer_lr`` (0.7); γ → ``gamma`` (default β).
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

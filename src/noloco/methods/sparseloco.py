@@ -20,6 +20,8 @@ DiLoCo without outer momentum at the same α (tests/test_sparseloco.py).
 
 Paper symbol → argument: H → ``sync_every``; α → ``outer_lr``; β → ``decay``; e → the
 per-fragment ``errors``; TopK density → ``fraction``; Q's bits → ``bits``; chunk → ``chunk``.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

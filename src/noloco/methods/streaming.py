@@ -34,6 +34,8 @@ Paper symbol → argument: H → ``sync_every``; P → ``fragments``; τ → ``o
 
 Invariant: every replica runs the same schedule, so the fragments' collectives are issued in
 the same order on every rank; with τ < H/P at most one is in flight at any time.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

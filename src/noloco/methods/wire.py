@@ -8,6 +8,8 @@ calls them); this module adds what each method sends through them.
 A *synchronisation* is one bucket's all-reduce (DDP), one fragment's all-reduce (DiLoCo,
 Streaming DiLoCo: the whole model is one fragment) or one fragment's group exchange (NoLoCo),
 of ``numel`` values. Bytes are what one replica's worker sends.
+
+Floor 2 of docs/architecture.md: communication and the methods.
 """
 
 from __future__ import annotations

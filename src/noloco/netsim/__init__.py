@@ -9,6 +9,8 @@
 - :mod:`~noloco.netsim.predict`: a finished run's wall-clock on another network.
 
 Every modelling assumption is listed in ``docs/netsim.md``.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from noloco.netsim.blocking import BlockingResult, blocking_sweep, simulate_blocking

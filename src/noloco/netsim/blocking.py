@@ -14,6 +14,8 @@ Only waiting is modelled, exactly as SPEC §5 describes; sending takes no time.
 
 Both methods see the same inner-step times (common random numbers), so the ratio has less
 Monte Carlo noise than two independent runs would.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations

@@ -28,6 +28,8 @@ compute time / (replicas × wall time).
 
 With no failures and an infinite timeout both reduce exactly to :func:`simulate_blocking`
 (the same random numbers in the same order; a test checks).
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations

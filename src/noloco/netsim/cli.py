@@ -6,6 +6,8 @@ figure with ``--plot FILE.png`` (matplotlib, an optional extra, is imported only
 input is one line on stderr, ``noloco: error: ...``, and exit code 2.
 
 Standalone: ``python -m noloco.netsim.cli latency --workers 1024 --cv 0 0.5 1``.
+
+Floor 7 of docs/architecture.md: the command line.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ Three communication patterns over ``n`` workers (paper symbol n; ``workers`` her
   ``E[max(t1, t2)] = (1 + erf(sigma / 2)) * exp(mu + sigma^2 / 2)``.
 
 So at cv = 0, tree / pair = log2(n) (10 at n = 1024) and ring / pair = n - 1.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations

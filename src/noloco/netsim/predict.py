@@ -39,6 +39,8 @@ P4. No overlap for ddp (gradients are reduced after the backward pass; real DDP 
     noloco/streaming.
 P5. Step times are the run's measured mean (no stragglers; see ``netsim blocking`` for those).
     Evaluation, start-up and logging are not part of the predicted wall-clock.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations

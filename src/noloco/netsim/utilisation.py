@@ -37,6 +37,8 @@ A9. Model sizes: the nominal 1e9 / 10e9 / 100e9 parameters (not a count derived 
 
 The simulation is vectorised over the bandwidth grid: every array below has the bandwidths as
 its first axis, so one pass over the steps evaluates the whole curve.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """
 
 from __future__ import annotations
