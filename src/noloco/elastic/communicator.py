@@ -30,6 +30,7 @@ from noloco.elastic.membership import Membership, await_value, live_replicas, pr
 from noloco.integrity import (
     TAG_BYTES,
     Opened,
+    WireFilter,
     finish_peer,
     open_messages,
     post_exchange,
@@ -66,9 +67,9 @@ class ElasticCommunicator(Communicator):
         self.m = membership
         self.rank, self.size = membership.replica, membership.replicas
         self.ranks = list(range(self.size))
-        self.tamper = False
-        """fault injection (``tamper:R@S``, elastic runs only): every payload leaves altered
-        after it was sealed, as a machine on its path could alter it"""
+        self.wire: WireFilter | None = None
+        """what every payload this replica sends passes through after it was sealed
+        (:meth:`outgoing`): nothing in a run; fault injection installs one from outside"""
         self.peer_timeout = peer_timeout
         """how long a member's arrival is awaited"""
         self.transfer_timeout = max(peer_timeout, comm_timeout or peer_timeout)
@@ -381,7 +382,7 @@ class ElasticCommunicator(Communicator):
         works, sealed, lost = post_exchange(
             pg, tensor, [bufs[peers.index(p)] for p in present],
             [(p, final.index(p)) for p in present], self.rank, self.sealer,
-            self.context(tag), self.tamper)
+            self.context(tag), self.wire)
         nbytes = tensor.numel() * tensor.element_size()
         if self.sealer is not None:
             self.mac_bytes += len(works) * TAG_BYTES
@@ -391,6 +392,11 @@ class ElasticCommunicator(Communicator):
                                 "missing": lost})
         self.bytes_sent += len(works) * nbytes
         return _PeerWorks(self, call, pg, peers, bufs, works, self.last_agree_seconds, sealed)
+
+    def outgoing(self, messages: torch.Tensor, channel: str) -> torch.Tensor:
+        """The rows of ``messages`` as they leave this replica: through :attr:`wire` when one
+        is installed (:class:`noloco.integrity.WireFilter`), else as they are."""
+        return messages if self.wire is None else self.wire(messages, channel)
 
     def context(self, tag: str) -> str:
         """What a payload's MAC binds it to besides its bytes: the run, the store's epoch
@@ -445,13 +451,9 @@ class ElasticCommunicator(Communicator):
         assert sealer is not None
         seen: list[int] = []
 
-        def altered(x: torch.Tensor) -> torch.Tensor:
-            if self.tamper:  # every message altered on the wire, after it was sealed
-                x.view(k, -1)[:, 0] ^= 0xFF
-            return x
-
         def all_to_all(recv: torch.Tensor, sent: torch.Tensor) -> None:
-            out = altered(sealed_messages(sealer, sent, context + "/a2a", me, final))
+            out = self.outgoing(sealed_messages(sealer, sent, context + "/a2a", me, final)
+                                .view(k, -1), "all_to_all").view(-1)
             got = torch.empty_like(out)
             pg.alltoall_base(got, out, [], []).wait()
             self.mac_bytes += (k - 1) * TAG_BYTES
@@ -467,11 +469,9 @@ class ElasticCommunicator(Communicator):
             # (tags and flags are made on the host: beside a GPU payload they move to it)
             blame = torch.tensor([r in seen for r in final], dtype=torch.uint8,
                                  device=x.device)
-            flagged = torch.cat([blame, x])
-            mine = torch.cat([flagged, sealer.seal(flagged, context + "/gather", me,
-                                                   ["*"])[0].to(x.device)])
-            if self.tamper:
-                mine[k] ^= 0xFF
+            tag = sealer.seal(torch.cat([blame, x]), context + "/gather", me,
+                              ["*"])[0].to(x.device)
+            mine = torch.cat([blame, self.outgoing(x.reshape(1, -1), "all_gather").view(-1), tag])
             got = [torch.empty_like(mine) for _ in out]
             pg.allgather([got], [mine]).wait()
             self.mac_bytes += (k - 1) * (TAG_BYTES + k)
@@ -646,9 +646,7 @@ class ElasticCommunicator(Communicator):
         sealer, me = self.sealer, self.rank
         assert sealer is not None
         tag = sealer.seal(tensor, context + "/gather", me, ["*"])[0].to(tensor.device)
-        mine = torch.cat([tensor, tag])
-        if self.tamper:  # altered on the wire, after it was sealed
-            mine[0] ^= 0xFF
+        mine = self.outgoing(torch.cat([tensor, tag]).view(1, -1), "all_gather").view(-1)
         got = [torch.empty_like(mine) for _ in final]
         pg.allgather([got], [mine]).wait()
         self.mac_bytes += (len(final) - 1) * TAG_BYTES
