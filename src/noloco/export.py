@@ -16,6 +16,7 @@ Two conventions differ and are converted, not approximated:
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -171,7 +172,7 @@ def add_subparser(sub: Any) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(ns: Any) -> int:
+def _main(ns: argparse.Namespace) -> int:
     out = export(ns.run_dir, ns.out_dir, ns.which, ns.overwrite)
     print(f"wrote {out}/ (config.json, model.safetensors, tokenizer): "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r})")

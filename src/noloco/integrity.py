@@ -26,9 +26,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 TAG_BYTES = 32
 CHUNKS = 8
@@ -167,7 +170,7 @@ class Opened(NamedTuple):
     mac: torch.Tensor
 
 
-def post_exchange(pg: Any, tensor: torch.Tensor, bufs: Sequence[torch.Tensor],
+def post_exchange(pg: dist.ProcessGroupGloo, tensor: torch.Tensor, bufs: Sequence[torch.Tensor],
                   peers: Sequence[tuple[int, int]], me: int, sealer: Sealer | None,
                   context: str, wire: WireFilter | None = None
                   ) -> tuple[dict[int, list[Any]], dict[int, Opened], list[int]]:

@@ -40,6 +40,9 @@ from noloco.methods.noloco import groups_of
 
 __all__ = ["ElasticCommunicator", "groups_of"]
 
+Gloo = dist.ProcessGroupGloo
+"""an operation's group: a gloo group of its final members, on the run's store"""
+
 KEEP_OPS = 4
 """an operation's agreement keys are deleted by their owners this many operations later (no
 member of it can still be waiting: it would have been marked as missed long since)"""
@@ -340,7 +343,7 @@ class ElasticCommunicator(Communicator):
         self._collect()
         return self._agree(call, sorted(group), 0)[0]
 
-    def _group(self, call: int, tag: str, final: list[int]) -> Any:
+    def _group(self, call: int, tag: str, final: list[int]) -> Gloo:
         # Everyone in ``final`` has arrived: what remains is connecting and moving the bytes,
         # which take as long as the link needs (the arrival deadline was peer_timeout).
         # gloo's rendezvous writes one key per member, "PREFIX/0/RANK" (device 0).
@@ -409,7 +412,7 @@ class ElasticCommunicator(Communicator):
         all-reduce discards it and the survivors retry among themselves. Done before
         returning (no overlap)."""
 
-        def mean(pg: Any, final: list[int], context: str) -> int:
+        def mean(pg: Gloo, final: list[int], context: str) -> int:
             # gloo sums inside its own messages: nothing here to seal (noloco.integrity)
             k = len(final)
             pg.allreduce([tensor]).wait()
@@ -428,7 +431,7 @@ class ElasticCommunicator(Communicator):
         _check_quantizable(tensor, fmt, block_size)
         n = tensor.numel()
 
-        def mean(pg: Any, final: list[int], context: str) -> int:
+        def mean(pg: Gloo, final: list[int], context: str) -> int:
             k = len(final)
             send = quantized_messages(tensor, k, fmt, block_size)
             if self.sealer is None:
@@ -441,7 +444,7 @@ class ElasticCommunicator(Communicator):
 
         return self._quorum(tensor, "all_reduce_quantized", mean)
 
-    def _sealed_phases(self, pg: Any, final: list[int], context: str
+    def _sealed_phases(self, pg: Gloo, final: list[int], context: str
                        ) -> tuple[Callable[..., None], Callable[..., None]]:
         """The quantised all-reduce's two phases with every message sealed (its tag after
         it). A message whose tag fails makes the attempt fail on every member, like a lost
@@ -489,7 +492,7 @@ class ElasticCommunicator(Communicator):
         return all_to_all, all_gather
 
     def _quorum(self, tensor: torch.Tensor, op: str,
-                mean: Callable[[Any, list[int], str], int]) -> Pending:
+                mean: Callable[[Gloo, list[int], str], int]) -> Pending:
         """``mean(process group, members, context)`` (which leaves the mean in ``tensor`` and
         returns the bytes sent) among the snapshot's replicas that arrive."""
         call = self.calls
@@ -525,7 +528,7 @@ class ElasticCommunicator(Communicator):
             self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
 
     def _all_reduce(self, call: int, tensor: torch.Tensor, original: torch.Tensor,
-                    candidates: list[int], mean: Callable[[Any, list[int], str], int]
+                    candidates: list[int], mean: Callable[[Gloo, list[int], str], int]
                     ) -> Pending:
         """One outcome for everyone (package docstring, *One outcome per operation*): each
         attempt among the members that arrived either commits — every member whose collective
@@ -614,7 +617,7 @@ class ElasticCommunicator(Communicator):
         before returning (no overlap). Bytes: (k − 1) × the message among k members."""
         rows: dict[str, Any] = {}
 
-        def gather(pg: Any, final: list[int], context: str) -> int:
+        def gather(pg: Gloo, final: list[int], context: str) -> int:
             k, nbytes = len(final), tensor.numel() * tensor.element_size()
             if self.sealer is None:
                 got = [torch.empty_like(tensor) for _ in final]
@@ -638,7 +641,7 @@ class ElasticCommunicator(Communicator):
             out[self.rank] = tensor.clone()
         return _Done(self, out)
 
-    def _sealed_gather(self, pg: Any, tensor: torch.Tensor, final: list[int], context: str
+    def _sealed_gather(self, pg: Gloo, tensor: torch.Tensor, final: list[int], context: str
                        ) -> list[torch.Tensor]:
         """The all-gather with each member's message sealed (its tag after it, for every
         receiver at once). A message whose tag fails fails the attempt (:class:`BadMac`
@@ -676,7 +679,7 @@ class _Done(Pending):
 class _PeerWorks(Pending):
     """An elastic exchange in flight: each peer's transfer succeeds or fails on its own."""
 
-    def __init__(self, comm: ElasticCommunicator, call: int, pg: Any, peers: Sequence[int],
+    def __init__(self, comm: ElasticCommunicator, call: int, pg: Gloo, peers: Sequence[int],
                  bufs: list[torch.Tensor], works: dict[int, list[Any]], agreed_in: float,
                  sealed: dict[int, Opened] | None = None) -> None:
         super().__init__(comm, [w for ws in works.values() for w in ws])
