@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -147,6 +149,31 @@ def test_validate_rejects_in_python_too():
     cfg.method.group_size = 4
     with pytest.raises(ConfigError, match="not divisible"):
         cfg.resolved()
+
+
+def test_each_methods_rules_run_where_no_method_is_imported():
+    """The command line validates before it loads any method: each method's rules live on
+    the config floor (noloco.config.METHOD_RULES), not in a table the methods fill in."""
+    code = """
+import sys
+from noloco.config import Config, ConfigError, METHOD_RULES, METHODS
+assert tuple(METHOD_RULES) == METHODS
+for method, key, value, msg in [("noloco", "group_size", 1, "--group-size must be >= 2"),
+                                 ("single", "replicas", 2, "runs one replica"),
+                                 ("sparseloco", "outer_momentum", 0.5, "no --outer-momentum"),
+                                 ("streaming", "fragments", 3, "divisible by --fragments"),
+                                 ("diloco", "fragments", 2, "streaming or noloco only")]:
+    cfg = Config()
+    cfg.method.method, cfg.method.replicas = method, 2
+    setattr(cfg.method, key, value)
+    try:
+        cfg.resolved()
+        raise SystemExit(method + ": no error")
+    except ConfigError as e:
+        assert msg in str(e), (method, str(e))
+assert "noloco.methods" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
 def test_too_little_data_for_the_replicas(tmp_path, capsys):

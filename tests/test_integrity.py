@@ -14,7 +14,7 @@ import torch
 from dist_utils import free_port
 from run_utils import SMALL
 
-from noloco.faults import parse_faults
+from noloco.faults import Tamper, parse_faults
 from noloco.integrity import (
     TAG_BYTES,
     Sealer,
@@ -191,3 +191,15 @@ def test_quantised_all_reduce_macs_change_no_number_and_leave_a_tamperer_out(tmp
     assert all(hit["bytes_sent_per_replica"][r] > sealed["bytes_sent_per_replica"][r] * 0.6
                for r in ("0", "2", "3"))
     assert all(math.isfinite(v) for v in hit["final_val_loss_per_replica"].values())
+
+
+def test_tamper_alters_a_copy_of_every_message_from_outside():
+    """The fault is a wire filter installed from outside: one byte of every row flipped (a
+    state's last, every other message's first), in a copy — never the sender's own tensor."""
+    msgs = torch.arange(8, dtype=torch.uint8).view(2, 4)
+    before = msgs.clone()
+    out = Tamper()(msgs, "all_to_all")
+    assert torch.equal(msgs, before)
+    assert out[:, 0].tolist() == [0 ^ 0xFF, 4 ^ 0xFF] and torch.equal(out[:, 1:], msgs[:, 1:])
+    state = Tamper()(msgs[:1], "state")
+    assert state[0, -1] == 3 ^ 0xFF and torch.equal(state[0, :-1], msgs[0, :-1])

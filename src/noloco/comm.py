@@ -32,12 +32,16 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from noloco import quant
+
+if TYPE_CHECKING:
+    from noloco.integrity import Sealer
+    from noloco.watchdog import Watchdog
 
 
 class CommError(RuntimeError):
@@ -91,7 +95,7 @@ class Pending:
         return self._result
 
 
-def wait_works(works: Sequence[Any], op: str, ranks: Sequence[int], watchdog: Any = None
+def wait_works(works: Sequence[Any], op: str, ranks: Sequence[int], watchdog: Watchdog | None = None
                ) -> None:
     """Wait for torch ``Work`` handles that wait on ``ranks`` (global ranks) in ``op``: the
     watchdog (a :class:`noloco.watchdog.Watchdog`, optional) sees the wait, and a failure is
@@ -106,7 +110,7 @@ def wait_works(works: Sequence[Any], op: str, ranks: Sequence[int], watchdog: An
 
 
 @contextlib.contextmanager
-def posting(op: str, ranks: Sequence[int], watchdog: Any = None) -> Iterator[None]:
+def posting(op: str, ranks: Sequence[int], watchdog: Watchdog | None = None) -> Iterator[None]:
     """Around the call that starts an operation: a peer already gone can make it fail at
     once (gloo: "Connection closed by peer"); that too is a :class:`CommError`."""
     try:
@@ -115,7 +119,7 @@ def posting(op: str, ranks: Sequence[int], watchdog: Any = None) -> Iterator[Non
         raise comm_error(watchdog, op, ranks, e, 0.0) from e
 
 
-def comm_error(watchdog: Any, op: str, ranks: Sequence[int], error: RuntimeError,
+def comm_error(watchdog: Watchdog | None, op: str, ranks: Sequence[int], error: RuntimeError,
                waited: float) -> CommError:
     """``error`` of an operation on ``ranks`` as a :class:`CommError`, naming the rank to
     blame when the watchdog can tell."""
@@ -142,10 +146,10 @@ class Communicator(ABC):
         self.bytes_sent = 0
         self.sync_seconds = 0.0
         self.ops: Counter[str] = Counter()
-        self.watchdog: Any = None
+        self.watchdog: Watchdog | None = None
         """a :class:`noloco.watchdog.Watchdog`: names the peer a stalled or failed wait is
         blocked on (None: plain errors)"""
-        self.sealer: Any = None
+        self.sealer: Sealer | None = None
         """a :class:`noloco.integrity.Sealer` when payloads carry MACs (an elastic run with a
         run secret); their tags' bytes are counted in ``mac_bytes``, not ``bytes_sent``"""
         self.mac_bytes = 0
@@ -397,7 +401,7 @@ _HELPER_JOBS: list[Future] = []
 """helper-thread jobs of every TorchCommunicator of this process, oldest first"""
 
 
-def _drain_helpers(watchdog: Any, ranks: Sequence[int]) -> bool:
+def _drain_helpers(watchdog: Watchdog | None, ranks: Sequence[int]) -> bool:
     """Wait for every helper job in flight; True if there was one. A failure is raised by
     its own Pending.wait(), not here."""
     jobs = [f for f in _HELPER_JOBS if not f.done()]

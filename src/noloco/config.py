@@ -17,14 +17,86 @@ import json
 import math
 import re
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from noloco.addresses import ETCD_SCHEME, parse_address, parse_endpoints
 from noloco.errors import ConfigError as ConfigError  # re-exported: its home is noloco.errors
 
-METHODS = ("single", "ddp", "diloco", "noloco", "streaming", "sparseloco")
+# ---- each method's own rules ---------------------------------------------------------------
+# Grouped and named per method here, on the config floor, not beside each method's module
+# (noloco.methods, floor 2): the command line validates a config before it launches anything,
+# in a process that imports no method, and nothing here may import above its floor
+# (tests/test_layers.py). Rules that the method modules registered when imported would be
+# skipped there without a sound; this table names every method (METHODS is its keys), so a
+# new method has no name to validate without an entry (tests/test_cli.py checks the rules run
+# with no method imported).
+
+
+def _single_settings(m: MethodConfig) -> None:
+    if m.replicas != 1:
+        raise ConfigError("--method single runs one replica; use ddp, diloco, noloco or "
+                          "streaming for --replicas > 1")
+
+
+def _sparseloco_settings(m: MethodConfig) -> None:
+    if m.outer_momentum is not None:
+        raise ConfigError("--method sparseloco takes no --outer-momentum (its error feedback "
+                          "is the momentum)")
+
+
+def _noloco_settings(m: MethodConfig) -> None:
+    if m.group_size < 2:
+        raise ConfigError(f"--group-size must be >= 2, got {m.group_size}")
+    if m.group_size > m.replicas:
+        raise ConfigError(f"--group-size {m.group_size} is larger than --replicas "
+                          f"{m.replicas}")
+    if m.replicas % m.group_size:
+        raise ConfigError(f"--replicas {m.replicas} is not divisible by --group-size "
+                          f"{m.group_size}")
+
+
+def _unfragmented(m: MethodConfig) -> None:
+    """A method that syncs the whole model at once, unquantised."""
+    if m.fragments > 1 or m.overlap_steps > 0 or m.quantize != "none":
+        raise ConfigError("--fragments, --overlap-steps and --quantize apply to "
+                          "--method streaming or noloco only")
+
+
+def _fragment_schedule(m: MethodConfig) -> None:
+    """Streaming DiLoCo's and NoLoCo's: H splits into P fragments' turns, and a sync in
+    flight lands before its fragment's next turn."""
+    if m.sync_every is None:
+        return
+    if m.sync_every % m.fragments:
+        raise ConfigError(f"--sync-every {m.sync_every} must be divisible by "
+                          f"--fragments {m.fragments}")
+    if m.overlap_steps >= m.sync_every // m.fragments:
+        raise ConfigError(f"--overlap-steps {m.overlap_steps} must be < H/P = "
+                          f"{m.sync_every // m.fragments}")
+
+
+class MethodRules(NamedTuple):
+    """One method's own rules (:meth:`Config._validate_method` runs them in its order)."""
+
+    fragments: Callable[[MethodConfig], None]
+    """what it makes of --fragments, --overlap-steps and --quantize: checked once every
+    method's ranges of them are (fragments >= 1, ...)"""
+    settings: Callable[[MethodConfig], None] | None = None
+    """its other settings: checked before the ranges every method shares"""
+
+
+METHOD_RULES: dict[str, MethodRules] = {
+    "single": MethodRules(_unfragmented, _single_settings),
+    "ddp": MethodRules(_unfragmented),
+    "diloco": MethodRules(_unfragmented),
+    "noloco": MethodRules(_fragment_schedule, _noloco_settings),
+    "streaming": MethodRules(_fragment_schedule),
+    "sparseloco": MethodRules(_unfragmented, _sparseloco_settings),
+}
+METHODS = tuple(METHOD_RULES)
 COMPRESSED_METHODS = ("sparseloco", "diloco", "streaming", "noloco")
 """the methods that take --compress topk:F[:BITS]"""
 ROUTINGS = ("random", "fixed")
@@ -419,23 +491,11 @@ class Config:
                               "topk:FRACTION[:BITS] (or use --method sparseloco)")
         if m.ef_decay is not None and not 0.0 <= m.ef_decay <= 1.0:
             raise ConfigError(f"--ef-decay must lie in [0, 1], got {m.ef_decay}")
-        if m.method == "sparseloco" and m.outer_momentum is not None:
-            raise ConfigError("--method sparseloco takes no --outer-momentum (its error feedback "
-                              "is the momentum)")
-        if m.method == "single" and m.replicas != 1:
-            raise ConfigError("--method single runs one replica; use ddp, diloco, noloco or "
-                              "streaming for --replicas > 1")
+        rules = METHOD_RULES[m.method]
+        if rules.settings is not None:
+            rules.settings(m)
         if m.sync_every is not None and m.sync_every < 1:
             raise ConfigError(f"--sync-every (H) must be >= 1, got {m.sync_every}")
-        if m.method == "noloco":
-            if m.group_size < 2:
-                raise ConfigError(f"--group-size must be >= 2, got {m.group_size}")
-            if m.group_size > m.replicas:
-                raise ConfigError(f"--group-size {m.group_size} is larger than --replicas "
-                                  f"{m.replicas}")
-            if m.replicas % m.group_size:
-                raise ConfigError(f"--replicas {m.replicas} is not divisible by --group-size "
-                                  f"{m.group_size}")
         if m.routing not in ROUTINGS:
             raise ConfigError(f"unknown routing {m.routing!r} (choose from random, fixed)")
         if m.fragment_pattern not in FRAGMENT_PATTERNS:
@@ -452,17 +512,7 @@ class Config:
             raise ConfigError(f"--merge-alpha must lie in [0, 1], got {m.merge_alpha}")
         if m.overlap_steps < 0:
             raise ConfigError(f"--overlap-steps must be >= 0, got {m.overlap_steps}")
-        uses_fragments = m.fragments > 1 or m.overlap_steps > 0 or m.quantize != "none"
-        if uses_fragments and m.method not in ("streaming", "noloco"):
-            raise ConfigError("--fragments, --overlap-steps and --quantize apply to "
-                              "--method streaming or noloco only")
-        if m.method in ("streaming", "noloco") and m.sync_every is not None:
-            if m.sync_every % m.fragments:
-                raise ConfigError(f"--sync-every {m.sync_every} must be divisible by "
-                                  f"--fragments {m.fragments}")
-            if m.overlap_steps >= m.sync_every // m.fragments:
-                raise ConfigError(f"--overlap-steps {m.overlap_steps} must be < H/P = "
-                                  f"{m.sync_every // m.fragments}")
+        rules.fragments(m)
         if m.microbatches < 0:
             raise ConfigError(f"--microbatches must be >= 0, got {m.microbatches}")
         if m.microbatches > d.batch_size:

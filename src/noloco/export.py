@@ -18,6 +18,7 @@ Floor 6 of docs/architecture.md: launching and watching runs, and what reads a r
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -173,7 +174,7 @@ def add_subparser(sub: Any) -> None:
     p.set_defaults(func=_main)
 
 
-def _main(ns: Any) -> int:
+def _main(ns: argparse.Namespace) -> int:
     out = export(ns.run_dir, ns.out_dir, ns.which, ns.overwrite)
     print(f"wrote {out}/ (config.json, model.safetensors, tokenizer): "
           f"AutoModelForCausalLM.from_pretrained({str(out)!r})")

@@ -44,12 +44,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import torch
 
 from noloco.errors import ConfigError
+from noloco.integrity import WireFilter
 
 KINDS = ("kill", "stall", "hang", "slow", "pace", "crash", "corrupt", "tamper")
 HANG_SECONDS = 60.0
@@ -140,12 +142,30 @@ def _who(text: str, default_stage: int | None) -> tuple[int, int | None]:
     return int(replica), int(stage) if dot else default_stage
 
 
+class Wired(Protocol):
+    """A communicator whose payloads pass through a wire filter (the elastic one's)."""
+
+    wire: WireFilter | None
+
+
+class Tamper:
+    """What ``tamper:R@S`` installs as its replica's wire filter
+    (:class:`noloco.integrity.WireFilter`): every message leaves with one byte flipped, after
+    it was sealed. Which byte: a state's last (unsealed, such a state still loads), every
+    other message's first."""
+
+    def __call__(self, messages: torch.Tensor, channel: str) -> torch.Tensor:
+        out = messages.clone()
+        out[:, -1 if channel == "state" else 0] ^= 0xFF
+        return out
+
+
 class FaultInjector:
     """The faults of one worker. ``once`` is False after a restart or resume: kill and stall
     have fired already (or were meant for a run that no longer exists)."""
 
     def __init__(self, faults: list[Fault], replica: int, stage: int, rank: int,
-                 once: bool, publish: Any = None) -> None:
+                 once: bool, publish: Callable[[], None] | None = None) -> None:
         """``publish``: called before a kill or a stop, to make the step this worker reached
         known (a heartbeat now): what the launcher then says matches this worker's line."""
         mine = [f for f in faults if f.hits(replica, stage)]
@@ -164,7 +184,7 @@ class FaultInjector:
             time.sleep(extra)
 
     def after_step(self, step: int, params: list[torch.Tensor] | None = None,
-                   comm: Any = None) -> None:
+                   comm: Wired | None = None) -> None:
         # The first step at or past the fault's: an elastic replica that caught up by taking
         # a live state jumps over steps, and its fault must not vanish with them.
         due = [s for s in self.pending if s <= step]
@@ -192,8 +212,8 @@ class FaultInjector:
         elif fault.kind == "tamper":
             print(f"noloco: injected fault: every payload {who} sends is altered on the wire "
                   f"from step {step} on", file=sys.stderr, flush=True)
-            if comm is not None:
-                comm.tamper = True
+            if comm is not None:  # from outside: the communicator knows no faults
+                comm.wire = Tamper()
         elif fault.kind == "crash":
             raise InjectedCrash(f"injected crash of {who} after step {step}")
         elif fault.kind == "hang":

@@ -28,9 +28,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 TAG_BYTES = 32
 CHUNKS = 8
@@ -38,6 +41,22 @@ CHUNKS = 8
 of 16 MiB each): the receiver hashes one while the next arrives"""
 MIN_CHUNK = 1 << 18
 MAX_CHUNK = 1 << 24
+
+
+class WireFilter(Protocol):
+    """What payloads pass through on their way out of a replica, after they were sealed: the
+    one seam where something outside the communicator may alter them (none in a run; fault
+    injection installs :class:`noloco.faults.Tamper`, as a machine on the path could alter
+    them).
+
+    ``messages``: uint8, one row per message as it goes on the wire (its tag in it where the
+    tag travels inside the message). ``channel``: what they are — ``exchange`` (a pair
+    exchange's payload), ``all_to_all`` and ``all_gather`` (the quantised all-reduce's and a
+    sealed all-gather's messages), ``state`` (a join's state). Returns the rows to send: the
+    same tensor when nothing alters them, else an altered copy — never ``messages`` altered in
+    place (it may be the caller's own tensor)."""
+
+    def __call__(self, messages: torch.Tensor, channel: str) -> torch.Tensor: ...
 
 
 def payload_key(secret: bytes) -> bytes:
@@ -153,9 +172,9 @@ class Opened(NamedTuple):
     mac: torch.Tensor
 
 
-def post_exchange(pg: Any, tensor: torch.Tensor, bufs: Sequence[torch.Tensor],
+def post_exchange(pg: dist.ProcessGroupGloo, tensor: torch.Tensor, bufs: Sequence[torch.Tensor],
                   peers: Sequence[tuple[int, int]], me: int, sealer: Sealer | None,
-                  context: str, tamper: bool = False
+                  context: str, wire: WireFilter | None = None
                   ) -> tuple[dict[int, list[Any]], dict[int, Opened], list[int]]:
     """Post a pair exchange on the gloo group ``pg``: ``tensor`` to every peer, each peer's
     tensor into its buffer. ``peers``: (id, index in ``pg``); ``me``: this member's id.
@@ -163,7 +182,9 @@ def post_exchange(pg: Any, tensor: torch.Tensor, bufs: Sequence[torch.Tensor],
     Sealed, the payload moves in :func:`chunk_bounds` pieces (gloo tags 0..k-1) and its tag
     after it (tag k), hashed once the payload's sends are posted. Returns each peer's works
     (its receives, then its sends: :func:`finish_peer` takes them in that order), the
-    openers, and the peers that failed already at posting (a group closed on their side)."""
+    openers, and the peers that failed already at posting (a group closed on their side).
+    ``wire``: what the payload passes through on its way out (:class:`WireFilter`), if
+    anything."""
     nbytes = tensor.numel() * tensor.element_size()
     chunks = chunk_bounds(nbytes) if sealer is not None else [(0, nbytes)]
     works: dict[int, list[Any]] = {}
@@ -183,13 +204,12 @@ def post_exchange(pg: Any, tensor: torch.Tensor, bufs: Sequence[torch.Tensor],
             lost.append(p)
             works.pop(p, None)
     out = byte_view(tensor)
-    if tamper:  # altered on the wire, after its tag is computed below
-        out = out.clone()
-        out[0] ^= 0xFF
+    if wire is not None:  # altered on the wire, after its tag is computed below
+        out = wire(out.view(1, -1), "exchange").view(-1)
     index_of = dict(peers)
     for p in list(works):
         try:
-            works[p] += [pg.send([out[a:b] if sealer is not None or tamper else tensor],
+            works[p] += [pg.send([out[a:b] if sealer is not None or wire is not None else tensor],
                                  index_of[p], i) for i, (a, b) in enumerate(chunks)]
         except RuntimeError:
             lost.append(p)

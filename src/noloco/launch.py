@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any, Protocol
 
 from noloco import checkpoint as ckpt_mod
@@ -220,7 +221,7 @@ class Supervisor:
         """Start the worker of global rank ``rank`` (``self.procs[rank]``)."""
         self.procs[rank] = self.starter.start([spec.to_json()], env)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         self.signum = self.signum or signum
 
     def prestart(self) -> None:

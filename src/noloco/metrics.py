@@ -16,8 +16,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,9 +26,20 @@ from noloco.comm import Communicator, flatten
 from noloco.config import Config
 from noloco.errors import plural
 
+if TYPE_CHECKING:
+    from noloco.distributed import Layout
 
-def gather_metrics(lay: Any, world: Communicator, comm: Communicator, val_loss: float | None,
-                   train_loss: float | None, params: list[torch.Tensor], runner: Any
+
+class Runner(Protocol):
+    """What runs a worker's passes (:class:`noloco.train.LocalRunner`,
+    :class:`noloco.pipeline.PipelineRunner`), as its metrics read it."""
+
+    activation_bytes: int
+    """what it sent to other stages in training (none without stages)"""
+
+
+def gather_metrics(lay: Layout, world: Communicator, comm: Communicator, val_loss: float | None,
+                   train_loss: float | None, params: list[torch.Tensor], runner: Runner
                    ) -> dict[str, Any]:
     """Per-replica losses, bytes and blocked seconds, and the weight spread (SPEC §3)."""
     nan = float("nan")
@@ -66,7 +78,7 @@ def mean(xs: list[float]) -> float:
 
 
 @torch.no_grad()
-def weight_spread(params: list[torch.Tensor], lay: Any, world: Communicator,
+def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator,
                   stage_comm: Communicator | None = None) -> float:
     """sqrt( Σ_params (p − mean over replicas)² / (#params · N) ), all stages together.
 
@@ -94,7 +106,7 @@ def weight_spread(params: list[torch.Tensor], lay: Any, world: Communicator,
     return math.sqrt(sq / (n * lay.replicas))
 
 
-def gather_scalars(world: Communicator, lay: Any, values: list[float],
+def gather_scalars(world: Communicator, lay: Layout, values: list[float],
                    how: str = "mean") -> list[float]:
     """``values`` of every worker reduced by ``how``: mean, max, sum, or stage_sum (one number
     per stage: the sum of replica 0's worker of that stage's values)."""
@@ -111,7 +123,7 @@ def gather_scalars(world: Communicator, lay: Any, values: list[float],
     return [float(x) for x in rows.mean(0)]
 
 
-def gather_json(world: Communicator, lay: Any, obj: Any) -> list[Any]:
+def gather_json(world: Communicator, lay: Layout, obj: Any) -> list[Any]:
     """``obj`` (JSON-able) of every worker, in rank order. Collective."""
     blob = json.dumps(obj).encode()
     if lay.world == 1:
@@ -159,7 +171,7 @@ class Progress:
     that slows down says so at once, not once the slowdown outweighs the whole run's average"""
 
     def __init__(self, enabled: bool, total: int, log_every: int = 10, start: int = 0,
-                 show_steps: bool | None = None, clock: Any = time.perf_counter,
+                 show_steps: bool | None = None, clock: Callable[[], float] = time.perf_counter,
                  flops_per_token: float | None = None, peak_flops: float | None = None
                  ) -> None:
         """``enabled``: this worker prints the evaluation lines and the end of the run;

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +59,9 @@ from noloco.comm import posting, wait_works
 from noloco.config import Config
 from noloco.model import Forward, Transformer, autocast, lm_loss
 from noloco.split import stage_blocks
+
+if TYPE_CHECKING:
+    from noloco.distributed import Layout
 
 _ROUTE_SALT = 0x726F757465  # "route": keeps routing draws apart from other seeded streams
 # Message kinds; tag = 4·slot + kind, unique per pair of workers within one call.
@@ -191,7 +194,7 @@ class PipelineRunner:
     of the microbatches it processed, the other stages ``None``.
     """
 
-    def __init__(self, model: Transformer, cfg: Config, lay: Any, device: torch.device) -> None:
+    def __init__(self, model: Transformer, cfg: Config, lay: Layout, device: torch.device) -> None:
         m = cfg.method
         self.lay, self.device = lay, device
         self.stage = build_stage(model, lay.stages, lay.stage)

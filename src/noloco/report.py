@@ -17,6 +17,7 @@ Floor 6 of docs/architecture.md: launching and watching runs, and what reads a r
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -221,7 +222,7 @@ def default_out(run_dirs: list[str]) -> Path:
     return Path(os.path.commonpath(parents)) / "report"
 
 
-def _main(ns: Any) -> int:
+def _main(ns: argparse.Namespace) -> int:
     path, pngs = report(ns.runs, ns.out if ns.out is not None else default_out(ns.runs))
     print(path.read_text().split("\n\n")[1])
     print(f"wrote {path}" + (f" and {len(pngs)} plots" if pngs else f" ({PLOT_EXTRA})"))

@@ -58,7 +58,7 @@ class _Pool:
             return buf
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.cuda)
 
-    def give(self, buf: torch.Tensor, event: Any = None) -> None:
+    def give(self, buf: torch.Tensor, event: torch.cuda.Event | None = None) -> None:
         self._free[(tuple(buf.shape), buf.dtype)].append((buf, event))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -161,7 +162,7 @@ REPEAT_SECONDS = 1.0
 Ctrl-C (which stops at once)"""
 
 
-def _raise_interrupted(signum: int, _frame: Any) -> None:
+def _raise_interrupted(signum: int, _frame: FrameType | None) -> None:
     # Once: a second SIGTERM or Ctrl-C while the first one unwinds (the launcher stopping
     # every worker, an impatient user) would interrupt the clean-up, even inside a finaliser
     # or the interpreter's exit, where an exception can leave a lock held and the exit hung.
@@ -224,7 +225,7 @@ def main(spec: WorkerSpec) -> int:
     # Only the main thread may install handlers (a test may call main from another).
     handle = threading.current_thread() is threading.main_thread()
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         # Our launcher asks its workers to stop with SIGINT (a user's Ctrl-C or SIGTERM to
         # it), and to stop at once with SIGTERM (a worker failed: the others must not wait).
         now = time.monotonic()

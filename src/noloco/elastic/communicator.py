@@ -32,6 +32,7 @@ from noloco.elastic.membership import Membership, await_value, live_replicas, pr
 from noloco.integrity import (
     TAG_BYTES,
     Opened,
+    WireFilter,
     finish_peer,
     open_messages,
     post_exchange,
@@ -40,6 +41,9 @@ from noloco.integrity import (
 from noloco.methods.noloco import groups_of
 
 __all__ = ["ElasticCommunicator", "groups_of"]
+
+Gloo = dist.ProcessGroupGloo
+"""an operation's group: a gloo group of its final members, on the run's store"""
 
 KEEP_OPS = 4
 """an operation's agreement keys are deleted by their owners this many operations later (no
@@ -68,9 +72,9 @@ class ElasticCommunicator(Communicator):
         self.m = membership
         self.rank, self.size = membership.replica, membership.replicas
         self.ranks = list(range(self.size))
-        self.tamper = False
-        """fault injection (``tamper:R@S``, elastic runs only): every payload leaves altered
-        after it was sealed, as a machine on its path could alter it"""
+        self.wire: WireFilter | None = None
+        """what every payload this replica sends passes through after it was sealed
+        (:meth:`outgoing`): nothing in a run; fault injection installs one from outside"""
         self.peer_timeout = peer_timeout
         """how long a member's arrival is awaited"""
         self.transfer_timeout = max(peer_timeout, comm_timeout or peer_timeout)
@@ -341,7 +345,7 @@ class ElasticCommunicator(Communicator):
         self._collect()
         return self._agree(call, sorted(group), 0)[0]
 
-    def _group(self, call: int, tag: str, final: list[int]) -> Any:
+    def _group(self, call: int, tag: str, final: list[int]) -> Gloo:
         # Everyone in ``final`` has arrived: what remains is connecting and moving the bytes,
         # which take as long as the link needs (the arrival deadline was peer_timeout).
         # gloo's rendezvous writes one key per member, "PREFIX/0/RANK" (device 0).
@@ -383,7 +387,7 @@ class ElasticCommunicator(Communicator):
         works, sealed, lost = post_exchange(
             pg, tensor, [bufs[peers.index(p)] for p in present],
             [(p, final.index(p)) for p in present], self.rank, self.sealer,
-            self.context(tag), self.tamper)
+            self.context(tag), self.wire)
         nbytes = tensor.numel() * tensor.element_size()
         if self.sealer is not None:
             self.mac_bytes += len(works) * TAG_BYTES
@@ -393,6 +397,11 @@ class ElasticCommunicator(Communicator):
                                 "missing": lost})
         self.bytes_sent += len(works) * nbytes
         return _PeerWorks(self, call, pg, peers, bufs, works, self.last_agree_seconds, sealed)
+
+    def outgoing(self, messages: torch.Tensor, channel: str) -> torch.Tensor:
+        """The rows of ``messages`` as they leave this replica: through :attr:`wire` when one
+        is installed (:class:`noloco.integrity.WireFilter`), else as they are."""
+        return messages if self.wire is None else self.wire(messages, channel)
 
     def context(self, tag: str) -> str:
         """What a payload's MAC binds it to besides its bytes: the run, the store's epoch
@@ -405,7 +414,7 @@ class ElasticCommunicator(Communicator):
         all-reduce discards it and the survivors retry among themselves. Done before
         returning (no overlap)."""
 
-        def mean(pg: Any, final: list[int], context: str) -> int:
+        def mean(pg: Gloo, final: list[int], context: str) -> int:
             # gloo sums inside its own messages: nothing here to seal (noloco.integrity)
             k = len(final)
             pg.allreduce([tensor]).wait()
@@ -424,7 +433,7 @@ class ElasticCommunicator(Communicator):
         _check_quantizable(tensor, fmt, block_size)
         n = tensor.numel()
 
-        def mean(pg: Any, final: list[int], context: str) -> int:
+        def mean(pg: Gloo, final: list[int], context: str) -> int:
             k = len(final)
             send = quantized_messages(tensor, k, fmt, block_size)
             if self.sealer is None:
@@ -437,7 +446,7 @@ class ElasticCommunicator(Communicator):
 
         return self._quorum(tensor, "all_reduce_quantized", mean)
 
-    def _sealed_phases(self, pg: Any, final: list[int], context: str
+    def _sealed_phases(self, pg: Gloo, final: list[int], context: str
                        ) -> tuple[Callable[..., None], Callable[..., None]]:
         """The quantised all-reduce's two phases with every message sealed (its tag after
         it). A message whose tag fails makes the attempt fail on every member, like a lost
@@ -447,13 +456,9 @@ class ElasticCommunicator(Communicator):
         assert sealer is not None
         seen: list[int] = []
 
-        def altered(x: torch.Tensor) -> torch.Tensor:
-            if self.tamper:  # every message altered on the wire, after it was sealed
-                x.view(k, -1)[:, 0] ^= 0xFF
-            return x
-
         def all_to_all(recv: torch.Tensor, sent: torch.Tensor) -> None:
-            out = altered(sealed_messages(sealer, sent, context + "/a2a", me, final))
+            out = self.outgoing(sealed_messages(sealer, sent, context + "/a2a", me, final)
+                                .view(k, -1), "all_to_all").view(-1)
             got = torch.empty_like(out)
             pg.alltoall_base(got, out, [], []).wait()
             self.mac_bytes += (k - 1) * TAG_BYTES
@@ -469,11 +474,9 @@ class ElasticCommunicator(Communicator):
             # (tags and flags are made on the host: beside a GPU payload they move to it)
             blame = torch.tensor([r in seen for r in final], dtype=torch.uint8,
                                  device=x.device)
-            flagged = torch.cat([blame, x])
-            mine = torch.cat([flagged, sealer.seal(flagged, context + "/gather", me,
-                                                   ["*"])[0].to(x.device)])
-            if self.tamper:
-                mine[k] ^= 0xFF
+            tag = sealer.seal(torch.cat([blame, x]), context + "/gather", me,
+                              ["*"])[0].to(x.device)
+            mine = torch.cat([blame, self.outgoing(x.reshape(1, -1), "all_gather").view(-1), tag])
             got = [torch.empty_like(mine) for _ in out]
             pg.allgather([got], [mine]).wait()
             self.mac_bytes += (k - 1) * (TAG_BYTES + k)
@@ -491,7 +494,7 @@ class ElasticCommunicator(Communicator):
         return all_to_all, all_gather
 
     def _quorum(self, tensor: torch.Tensor, op: str,
-                mean: Callable[[Any, list[int], str], int]) -> Pending:
+                mean: Callable[[Gloo, list[int], str], int]) -> Pending:
         """``mean(process group, members, context)`` (which leaves the mean in ``tensor`` and
         returns the bytes sent) among the snapshot's replicas that arrive."""
         call = self.calls
@@ -527,7 +530,7 @@ class ElasticCommunicator(Communicator):
             self.longest_wait = max(self.longest_wait, time.perf_counter() - start)
 
     def _all_reduce(self, call: int, tensor: torch.Tensor, original: torch.Tensor,
-                    candidates: list[int], mean: Callable[[Any, list[int], str], int]
+                    candidates: list[int], mean: Callable[[Gloo, list[int], str], int]
                     ) -> Pending:
         """One outcome for everyone (package docstring, *One outcome per operation*): each
         attempt among the members that arrived either commits — every member whose collective
@@ -616,7 +619,7 @@ class ElasticCommunicator(Communicator):
         before returning (no overlap). Bytes: (k − 1) × the message among k members."""
         rows: dict[str, Any] = {}
 
-        def gather(pg: Any, final: list[int], context: str) -> int:
+        def gather(pg: Gloo, final: list[int], context: str) -> int:
             k, nbytes = len(final), tensor.numel() * tensor.element_size()
             if self.sealer is None:
                 got = [torch.empty_like(tensor) for _ in final]
@@ -640,7 +643,7 @@ class ElasticCommunicator(Communicator):
             out[self.rank] = tensor.clone()
         return _Done(self, out)
 
-    def _sealed_gather(self, pg: Any, tensor: torch.Tensor, final: list[int], context: str
+    def _sealed_gather(self, pg: Gloo, tensor: torch.Tensor, final: list[int], context: str
                        ) -> list[torch.Tensor]:
         """The all-gather with each member's message sealed (its tag after it, for every
         receiver at once). A message whose tag fails fails the attempt (:class:`BadMac`
@@ -648,9 +651,7 @@ class ElasticCommunicator(Communicator):
         sealer, me = self.sealer, self.rank
         assert sealer is not None
         tag = sealer.seal(tensor, context + "/gather", me, ["*"])[0].to(tensor.device)
-        mine = torch.cat([tensor, tag])
-        if self.tamper:  # altered on the wire, after it was sealed
-            mine[0] ^= 0xFF
+        mine = self.outgoing(torch.cat([tensor, tag]).view(1, -1), "all_gather").view(-1)
         got = [torch.empty_like(mine) for _ in final]
         pg.allgather([got], [mine]).wait()
         self.mac_bytes += (len(final) - 1) * TAG_BYTES
@@ -680,7 +681,7 @@ class _Done(Pending):
 class _PeerWorks(Pending):
     """An elastic exchange in flight: each peer's transfer succeeds or fails on its own."""
 
-    def __init__(self, comm: ElasticCommunicator, call: int, pg: Any, peers: Sequence[int],
+    def __init__(self, comm: ElasticCommunicator, call: int, pg: Gloo, peers: Sequence[int],
                  bufs: list[torch.Tensor], works: dict[int, list[Any]], agreed_in: float,
                  sealed: dict[int, Opened] | None = None) -> None:
         super().__init__(comm, [w for ws in works.values() for w in ws])

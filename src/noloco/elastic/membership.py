@@ -29,6 +29,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -402,7 +403,8 @@ class Monitor:
     (module docstring). Runs beside the store, in a thread with its own connection; learns the
     run's size and timeout from the settings the first replica writes."""
 
-    def __init__(self, store: Any, clock: Any = time.monotonic, prefix: str = "") -> None:
+    def __init__(self, store: Any, clock: Callable[[], float] = time.monotonic,
+                 prefix: str = "") -> None:
         self.store, self.clock, self.prefix = store, clock, prefix
         """``prefix``: the run epoch's keys (:func:`noloco.elastic.keys.run_prefix`)"""
         self.moved: dict[tuple[int, int], tuple[tuple[int, int], float]] = {}

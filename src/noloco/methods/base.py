@@ -25,6 +25,7 @@ from noloco.comm import Communicator
 
 if TYPE_CHECKING:
     from noloco.guard import UpdateGuard
+    from noloco.sparse import Compressor
 
 
 def parameters_of(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -51,7 +52,7 @@ class Method:
         """checks updates before they are used or contributed (:mod:`noloco.guard`)"""
         self.frags: list[Any] = []
         """the fragments synchronised one at a time (each with its slow weights)"""
-        self.compress: Any = None
+        self.compress: Compressor | None = None
         """the sparse exchange's setting and error feedback (``--compress``)"""
         self.errors: list[torch.Tensor] = []
         """the error-feedback buffers of a sparse exchange, one per fragment"""
