@@ -35,12 +35,10 @@ keeps a recorded run within about 40 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -58,8 +56,7 @@ PRESETS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="builtin",
-                   help="training text (default: the built-in corpus, no files needed)")
+    common.add_run_flags(p, data=common.DEFAULT_DATA)
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     p.add_argument("--sync-every", type=int, default=50, help="H: inner steps per outer step")
     p.add_argument("--outer-steps", type=int, nargs=2, default=[4, 3], metavar=("TINY", "SMALL"),
@@ -68,16 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="runs of each side per preset (default 3 2)")
     p.add_argument("--kill-step", type=int, default=130,
                    help="recovery run (tiny): replica 1 is killed after this inner step")
-    p.add_argument("--runs-dir", default=None,
-                   help="keep the run directories here (default: a temporary directory)")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to this long for the load average to drop "
-                   "below the core count")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny only, H 5, 2 outer steps, one repeat")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default: the scratch directory; benchmarks/results with --record)")
-    common.add_record_flag(p)
+    common.add_output_flags(p)
     a = p.parse_args(argv)
     if a.quick:
         a.presets, a.sync_every, a.outer_steps, a.repeats, a.kill_step = (
@@ -95,15 +85,11 @@ def train_cmd(a: argparse.Namespace, preset: str, out: Path, checkpoint_every: i
               extra: list[str] = ()) -> list[str]:
     c = PRESETS[preset]
     steps = a.outer_steps[0 if preset == "tiny" else 1] * a.sync_every
-    return [sys.executable, "-m", "noloco", "train", "--preset", preset, "--data", a.data,
-            "--method", c["method"], "--replicas", str(c["replicas"]),
-            "--sync-every", str(a.sync_every), "--steps", str(steps),
-            "--batch-size", str(c["batch_size"]), "--seq-len", str(c["seq_len"]),
-            "--eval-every", str(steps),
-            "--eval-sequences", str(2 * c["batch_size"]),
-            "--device", "cpu",
-            "--checkpoint-every", str(checkpoint_every), "--out", str(out), "--overwrite",
-            *extra]
+    return common.noloco_train(common.flags(
+        preset=preset, data=a.data, method=c["method"], replicas=c["replicas"],
+        sync_every=a.sync_every, steps=steps, batch_size=c["batch_size"], seq_len=c["seq_len"],
+        eval_every=steps, eval_sequences=2 * c["batch_size"], device="cpu",
+        checkpoint_every=checkpoint_every), out, extra)
 
 
 def run(cmd: list[str], a: argparse.Namespace) -> tuple[float, list[tuple[float, str]]]:
@@ -142,7 +128,7 @@ def overhead(a: argparse.Namespace, preset: str, runs: Path) -> dict[str, Any]:
             every = a.sync_every if side == "checkpoint" else 0
             load = common.load_average()
             wall, _ = run(train_cmd(a, preset, out, every), a)
-            s = json.loads((out / "summary.json").read_text())
+            s = common.read_summary(out)
             sides[side].append({
                 "wall_seconds": wall, "train_seconds": s["train_seconds"],
                 "step_seconds": s["step_seconds"], "saves": s["checkpoint_saves"],
@@ -198,7 +184,7 @@ def recovery(a: argparse.Namespace, runs: Path, reference_wall: float | None
     t_loaded = first(r"resuming from checkpoints/step-", t_restart)[0] if resumed_from else \
         t_restart
     t_step, _ = first(r"^step +\d+/", t_loaded)
-    s = json.loads((out / "summary.json").read_text())
+    s = common.read_summary(out)
     return {
         "kill_step": a.kill_step, "resumed_from_step": resumed_from,
         "steps_lost": a.kill_step - resumed_from,
@@ -252,9 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path, png_path = common.out_paths("checkpoint", a.out_dir, a.quick, a.record)
     rec = common.start_record("checkpoint", vars(a))
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = Path(a.runs_dir or tmp)
-        runs.mkdir(parents=True, exist_ok=True)
+    with common.run_dirs(a.runs_dir, "noloco-checkpoint-") as runs:
         results: dict[str, Any] = {"overhead": {}}
         for preset in a.presets:
             results["overhead"][preset] = overhead(a, preset, runs)
@@ -262,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_wall = (statistics.median(r["wall_seconds"] for r in ref["runs"]["checkpoint"])
                     if ref else None)
         results["recovery"] = recovery(a, runs, ref_wall)
-    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    common.write_record(json_path, rec, results, t0)
     drawn = plot(results, png_path)
     for name, o in results["overhead"].items():
         print(f"{name}: {o['checkpoint_bytes_per_worker'] / 1e6:,.1f} MB per worker, loop "
@@ -277,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['kill_to_training_again_seconds']:.1f} s from step {r['resumed_from_step']} "
           f"({r['steps_lost']} steps redone); seconds lost "
           + (f"{r['seconds_lost']:.1f}" if r["seconds_lost"] is not None else "n/a"))
-    print(f"wrote {json_path}" + (f" and {drawn}" if drawn else " (no plot: no matplotlib)"))
+    print(common.wrote(json_path, drawn))
     return 0
 
 

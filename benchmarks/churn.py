@@ -48,32 +48,24 @@ import common  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="builtin",
-                   help="training text (default: the built-in corpus, no files needed)")
-    p.add_argument("--replicas", type=int, default=8)
-    p.add_argument("--steps", type=int, default=300, help="inner steps per replica")
-    p.add_argument("--sync-every", type=int, default=20, help="H")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
+    common.add_run_flags(p, {"sync_every": "H"}, data=common.DEFAULT_DATA, replicas=8,
+                         steps=300, sync_every=20, batch_size=8, seq_len=64)
     p.add_argument("--peer-timeout", type=float, default=5.0)
     p.add_argument("--mtbf", type=float, default=15.0,
                    help="mean seconds between two kills (whole run)")
     p.add_argument("--kills", type=int, default=3, help="at most this many kills per run")
-    p.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
-    p.add_argument("--runs-dir", default=None, help="keep the run directories here")
+    common.add_run_flags(p, {"seed": "seed of the kill schedule"}, seed=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 replicas, 60 steps")
-    p.add_argument("--out-dir", default=None)
+    common.add_output_flags(p, runs_dir=str(common.SCRATCH / "churn_runs"), wait_quiet=False)
     p.add_argument("--runs", default="noloco,diloco,restart",
                    help="which runs: noloco (clean + elastic), diloco (clean + elastic), "
                         "restart (restart-from-checkpoint)")
     p.add_argument("--name", default="churn", help="the record's name (results/NAME.json)")
-    common.add_record_flag(p)
     a = p.parse_args(argv)
     common.check_data(p, a.data)
     if a.quick:
         a.replicas, a.steps, a.sync_every, a.mtbf, a.kills, a.peer_timeout = 4, 60, 10, 4.0, 1, 3
-    if a.replicas < 2 or a.replicas % 2:
-        p.error("--replicas must be an even number >= 2")
+    common.check_pairs(p, a.replicas)
     a.runs = [x.strip() for x in a.runs.split(",") if x.strip()]
     if not a.runs or set(a.runs) - {"noloco", "diloco", "restart"}:
         p.error("--runs takes noloco, diloco and restart")
@@ -83,12 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_args(a: argparse.Namespace, method: str, out: Path, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "noloco", "train", "--data", a.data, "--method", method,
-            "--replicas", str(a.replicas), "--steps", str(a.steps),
-            "--sync-every", str(a.sync_every), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--eval-every", str(a.sync_every * 3),
-            "--eval-sequences", "32", "--log-every", "0", "--out", str(out), "--overwrite",
-            *extra]
+    return common.noloco_train(common.flags(
+        data=a.data, method=method, replicas=a.replicas, steps=a.steps,
+        sync_every=a.sync_every, batch_size=a.batch_size, seq_len=a.seq_len,
+        eval_every=a.sync_every * 3, eval_sequences=32, log_every=0), out, extra)
 
 
 def live_workers(out: Path) -> list[int]:
@@ -130,27 +120,19 @@ def run(cmd: list[str], out: Path, gaps: list[float]) -> dict[str, Any]:
                 pass
 
     loads: list[float] = []
-
-    def sampler() -> None:
-        while proc.poll() is None:
-            if (load := common.load_average()) is not None:
-                loads.append(load[0])
-            time.sleep(5)
-
     th = threading.Thread(target=killer, daemon=True)
     th.start()
-    threading.Thread(target=sampler, daemon=True).start()
+    threading.Thread(target=common.sample_loads, args=(lambda: proc.poll() is None, loads),
+                     daemon=True).start()
     stdout, stderr = proc.communicate()
     wall = time.perf_counter() - t0
     th.join(timeout=1)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({' '.join(cmd)}):\n{stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
-    curve = [(m["wall_seconds"], m["val_loss"]) for m in
-             (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x)]
-    return {"wall_seconds": wall, "kills_at": kills, "summary": s, "curve": curve,
-            "load_average": {"mean": round(sum(loads) / len(loads), 2) if loads else None,
-                             "max": max(loads, default=None), "samples": len(loads)},
+    curve = [(m["wall_seconds"], m["val_loss"])
+             for m in common.read_jsonl(out / "metrics.jsonl")]
+    return {"wall_seconds": wall, "kills_at": kills, "summary": common.read_summary(out),
+            "curve": curve, "load_average": {**common.load_stats(loads), "samples": len(loads)},
             "stderr_tail": stderr[-1500:]}
 
 
@@ -223,9 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             table["noloco_elastic"].get("survivor_blocked_per_failure", 0) <= a.peer_timeout,
         "noloco_within_2pct_of_clean": abs(table["noloco_elastic"]["loss_vs_clean"]) <= 0.02,
     }
-    rec = common.finish_record(rec, {"runs": results, "table": table, "verdict": verdict},
-                               time.perf_counter() - t_start)
-    common.write_json(json_path, rec)
+    common.write_record(json_path, rec, {"runs": results, "table": table, "verdict": verdict},
+                        t_start)
     plt = common.pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -243,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.legend(fontsize=8)
         common.save_figure(fig, png_path)
     print(json.dumps({"table": table, "verdict": verdict}, indent=2))
-    print(f"wrote {json_path}" + (f" and {png_path}" if plt is not None else ""))
+    print(common.wrote(json_path, png_path if plt is not None else None))
     return 0
 
 

@@ -10,6 +10,7 @@ Plots use matplotlib, imported only when a plot is drawn (it is an optional depe
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,24 @@ def finish_record(rec: dict[str, Any], results: Any, seconds: float) -> dict[str
     return rec
 
 
+def write_record(path: Path, rec: dict[str, Any], results: Any, started: float) -> Path:
+    """Finish ``rec`` with ``results`` and the seconds since ``started`` (a ``perf_counter``
+    reading) and write it to ``path``."""
+    return write_json(path, finish_record(rec, results, time.perf_counter() - started))
+
+
+def config_of(a: Any, leave_out: Sequence[str] = ("out_dir", "runs_dir")) -> dict[str, Any]:
+    """A benchmark's flags as its record's config: all but where it writes (``leave_out``),
+    which says nothing of what was measured."""
+    return {k: v for k, v in vars(a).items() if k not in leave_out}
+
+
+def print_verdict(verdict: dict[str, Any]) -> None:
+    """One line per target: a number as it is, a judgement as met or MISSED."""
+    for k, v in verdict.items():
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {'met' if v else 'MISSED'}")
+
+
 def _clean(x: Any) -> Any:
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -202,6 +221,25 @@ def out_paths(name: str, out_dir: str | Path | None, quick: bool, record: bool =
     return d / f"{stem}.json", d / f"{stem}.png"
 
 
+def wrote(json_path: Path, png_path: Path | None) -> str:
+    """The last line of a benchmark: what it wrote (``png_path`` None: no plot was drawn)."""
+    return f"wrote {json_path}" + (f" and {png_path}" if png_path else
+                                   " (no plot: no matplotlib)")
+
+
+@contextlib.contextmanager
+def run_dirs(given: str | None, prefix: str) -> Iterator[Path]:
+    """Where a benchmark's runs write their run directories: ``given`` (made if missing, and
+    kept), else a temporary directory removed when the block ends."""
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield Path(tmp)
+
+
 def add_record_flag(p: Any) -> None:
     p.add_argument("--record", action="store_true",
                    help="write the JSON and PNG into benchmarks/results/ (the committed record); "
@@ -238,11 +276,13 @@ def add_run_flags(p: Any, helps: dict[str, str] | None = None, **defaults: Any) 
                        help=(helps or {}).get(name, text))
 
 
-def add_output_flags(p: Any, runs_dir: bool = True, wait_quiet: bool = True) -> None:
-    """``--runs-dir`` and ``--wait-quiet`` (where asked), ``--out-dir`` and ``--record``."""
-    if runs_dir:
+def add_output_flags(p: Any, runs_dir: str | None = "a temporary directory",
+                     wait_quiet: bool = True) -> None:
+    """``--runs-dir`` (unless ``runs_dir``, where the run directories go without it, is None),
+    ``--wait-quiet`` (where asked), ``--out-dir`` and ``--record``."""
+    if runs_dir is not None:
         p.add_argument("--runs-dir", default=None,
-                       help="keep the run directories here (default: a temporary directory)")
+                       help=f"keep the run directories here (default: {runs_dir})")
     if wait_quiet:
         p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
                        help="before each run, wait up to this long for the load average to "
@@ -265,18 +305,95 @@ def check_pairs(p: Any, replicas: int) -> None:
         p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
 
 
+def replica_counts(p: Any, text: str, least: int, why: str = "") -> list[int]:
+    """The counts of a ``--replicas`` list ("1,4,8"); argparse error unless each is at least
+    ``least`` (``why`` says why, after the bound)."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        p.error("--replicas takes numbers separated by commas, e.g. "
+                f"{p.get_default('replicas')}")
+    if not counts or min(counts) < least:
+        p.error(f"--replicas: each count must be >= {least}{why}")
+    return counts
+
+
+def flags(**values: Any) -> list[str]:
+    """``--name value`` for each keyword, in the order given: underscores become dashes, a
+    value is written as ``str`` writes it (so a command names a flag's value as it always
+    did: ``0.003``, ``5.0``)."""
+    return [x for name, value in values.items()
+            for x in (f"--{name.replace('_', '-')}", str(value))]
+
+
+NOLOCO = (sys.executable, "-m", "noloco")
+"""the ``noloco`` command, in this interpreter (so in this environment)"""
+
+
+def train_argv(args: Sequence[str], out: Path | str, after: Sequence[str] = ()) -> list[str]:
+    """The arguments of ``noloco`` for a training run: ``train ARGS --out OUT --overwrite
+    AFTER`` (a fresh run directory at ``out``, whatever an earlier run left there)."""
+    return ["train", *args, "--out", str(out), "--overwrite", *after]
+
+
+def noloco_train(args: Sequence[str], out: Path | str, after: Sequence[str] = ()
+                 ) -> list[str]:
+    """:data:`NOLOCO` :func:`train_argv`: the command of a training run."""
+    return [*NOLOCO, *train_argv(args, out, after)]
+
+
 def train_command(a: Any, out: Path, method: list[str], rest: list[str] = ()) -> list[str]:
     """``python -m noloco train``: ``method`` (the method and its layout), then the flags
     every training benchmark passes on from ``a`` (preset, data, steps, batch, sequence,
     learning rate, warm-up, evaluation, seed, on the CPU, into ``out``), then ``rest``."""
-    return [sys.executable, "-m", "noloco", "train", *method,
-            "--preset", a.preset, "--data", a.data,
-            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
-            "--eval-every", str(a.eval_every),
-            "--eval-sequences", str(a.eval_batches * a.batch_size),
-            "--seed", str(a.seed), "--device", "cpu", "--out", str(out), "--overwrite",
-            *rest]
+    return noloco_train([*method, *flags(
+        preset=a.preset, data=a.data, steps=a.steps, batch_size=a.batch_size,
+        seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, eval_every=a.eval_every,
+        eval_sequences=a.eval_batches * a.batch_size, seed=a.seed, device="cpu")], out, rest)
+
+
+def run_checked(cmd: list[str], name: str | None = None, env: dict[str, str] | None = None
+                ) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``cmd`` to its end, its output captured; the finished process and its wall
+    seconds. RuntimeError, naming ``name`` (else the command) and quoting the end of its
+    stderr, if it failed."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name or shlex.join(cmd)} failed ({proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return proc, wall
+
+
+def read_summary(out: Path) -> dict[str, Any]:
+    """The summary.json of the run directory ``out``."""
+    return json.loads((Path(out) / "summary.json").read_text())
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (metrics.jsonl), blank lines skipped; none if the
+    file is not there yet."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def sample_loads(running: Any, loads: list[float], every: float = 5.0) -> None:
+    """Append the 1-minute load average to ``loads`` every ``every`` seconds while
+    ``running()`` (the first sample at once)."""
+    while running():
+        if (load := load_average()) is not None:
+            loads.append(load[0])
+        time.sleep(every)
+
+
+def load_stats(loads: Sequence[float]) -> dict[str, float | None]:
+    """Mean (to 2 places) and maximum of sampled load averages; None where none was taken."""
+    return {"mean": round(sum(loads) / len(loads), 2) if loads else None,
+            "max": max(loads, default=None)}
 
 
 CURVE_KEYS = ("step", "tokens", "tokens_per_replica", "val_loss", "train_loss", "bytes_sent",
@@ -301,14 +418,9 @@ def run_and_read(cmd: list[str], out: Path, name: str, keep: Sequence[str],
     process seconds, the load before it, and the ``curve`` keys of each evaluation.
     RuntimeError if it failed."""
     load = wait_for_quiet(wait_quiet) if wait_quiet else load_average()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = json.loads((out / "summary.json").read_text())
-    with open(out / "metrics.jsonl") as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
+    _, wall = run_checked(cmd, name)
+    summary = read_summary(out)
+    metrics = read_jsonl(out / "metrics.jsonl")
     return {
         "command": " ".join(cmd[2:]),  # as typed: noloco train ...
         "summary": kept(summary, keep),
@@ -331,8 +443,7 @@ def run_noloco_timed(args: Sequence[str], out: Path) -> tuple[list[float], dict[
     import re
     import threading
 
-    cmd = [sys.executable, "-m", "noloco", "train", *args, "--log-every", "1",
-           "--out", str(out), "--overwrite"]
+    cmd = noloco_train([*args, "--log-every", "1"], out)
     marks: list[float] = []
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             bufsize=1)
@@ -345,7 +456,7 @@ def run_noloco_timed(args: Sequence[str], out: Path) -> tuple[list[float], dict[
     reader.join()
     if proc.wait():
         raise RuntimeError(f"the noloco run failed ({shlex.join(cmd)}):\n" + "".join(err[-30:]))
-    summary = json.loads((Path(out) / "summary.json").read_text())
+    summary = read_summary(out)
     return [b - c for c, b in zip(marks, marks[1:], strict=False)], summary
 
 

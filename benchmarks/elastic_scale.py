@@ -210,8 +210,8 @@ def run_n(n: int, ops: int, mode: str, procs: int, compute_ms: float) -> dict[st
     env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1")
     # --insecure: the members are plain store clients on loopback; what is measured is the
     # store's work, not the gate's (docs/security.md)
-    coord = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host",
-                              "127.0.0.1", "--port", str(port), "--insecure"],
+    coord = subprocess.Popen([*common.NOLOCO, "coordinator",
+                              *common.flags(host="127.0.0.1", port=port), "--insecure"],
                              stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert "listening on" in (coord.stdout.readline() if coord.stdout else "")
@@ -329,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="mean milliseconds each member computes between two operations "
                    "(uniform in [0, 2x]; 0: every member arrives at once, the worst case)")
     p.add_argument("--quick", action="store_true", help="smoke run: N = 4, 8; 30 ops")
-    p.add_argument("--out-dir")
-    common.add_record_flag(p)
+    common.add_output_flags(p, runs_dir=None, wait_quiet=False)
     a = p.parse_args(argv)
     if a.quick:
         a.sizes, a.ops, a.procs = "4,8", "30", 2
@@ -357,8 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['seconds_per_member_op']['median'] * 1e3:.1f} ms | keys "
                   f"{r['keys_held_max']} max ({r['keys_held_max'] / n:.1f} x N) | connect "
                   f"{r['connect_seconds']:.1f} s", flush=True)
-            common.write_json(json_path, common.finish_record(rec, results,
-                                                              time.perf_counter() - t0))
+            common.write_record(json_path, rec, results, t0)
     big = [r for r in results if r["mode"] == "all_reduce"]
     rec["targets"] = {
         "requests_per_member_op_max": max(r["requests_per_member_op"]["mean"]
@@ -368,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         if big else None,
         "keys_held_at_most_20n": all(r["keys_held_max"] <= 20 * r["n"] for r in results),
     }
-    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    common.write_record(json_path, rec, results, t0)
     plot(results, png_path)
     print(f"wrote {json_path}")
     return 0

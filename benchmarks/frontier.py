@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,35 +66,26 @@ PAPER = {"diloco": (0.7, 0.9), "noloco": (0.5, 0.7)}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA),
-                   help="training text (default: the built-in corpus)")
+    common.add_run_flags(p, data=str(common.DEFAULT_DATA))
     p.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
-    p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--steps", type=int, default=200, help="inner steps of sweep/grid runs")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    common.add_run_flags(p, {"steps": "inner steps of sweep/grid runs"}, replicas=4, steps=200,
+                         batch_size=8, seq_len=64, lr=3e-3, warmup=20)
     p.add_argument("--seeds", type=int, default=3, help="seeds of the sweep")
     p.add_argument("--grid-seeds", type=int, default=2)
     p.add_argument("--long-steps", type=int, default=2000)
     p.add_argument("--long-batch-size", type=int, default=4)
     p.add_argument("--long-sync-every", type=int, default=50)
     p.add_argument("--eval-sequences", type=int, default=64)
-    p.add_argument("--runs-dir", default=None,
-                   help="run directories, kept for resuming (default: the temp directory)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, 1 seed")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default: the scratch directory; benchmarks/results with --record)")
-    common.add_record_flag(p)
+    common.add_output_flags(p, runs_dir="noloco-frontier in the temp directory; kept, so a "
+                            "re-run resumes", wait_quiet=False)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.steps, a.batch_size, a.seq_len, a.warmup = 2, 20, 2, 32, 2
         a.seeds, a.grid_seeds, a.long_steps, a.long_batch_size = 1, 1, 40, 2
         a.long_sync_every, a.eval_sequences = 10, 4
     common.check_data(p, a.data)
-    if a.replicas < 2 or a.replicas % 2:
-        p.error("--replicas must be even and >= 2 (NoLoCo pairs replicas)")
+    common.check_pairs(p, a.replicas)
     return a
 
 
@@ -105,36 +95,30 @@ def train_args(a: argparse.Namespace, method: str, seed: int, *, steps: int | No
                batch_size: int | None = None, eval_every: int | None = None,
                replicas: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     steps = steps or a.steps
-    return ["--method", method, "--replicas", str(replicas or a.replicas), "--preset", "tiny",
-            "--data", a.data, "--steps", str(steps),
-            "--batch-size", str(batch_size or a.batch_size), "--seq-len", str(a.seq_len),
-            "--lr", str(a.lr), "--warmup", str(a.warmup),
-            "--eval-every", str(eval_every or steps),
-            "--eval-sequences", str(a.eval_sequences), "--seed", str(seed), "--device", "cpu",
-            "--log-every", "0", *extra]
+    return [*common.flags(method=method, replicas=replicas or a.replicas, preset="tiny",
+                          data=a.data, steps=steps, batch_size=batch_size or a.batch_size,
+                          seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
+                          eval_every=eval_every or steps, eval_sequences=a.eval_sequences,
+                          seed=seed, device="cpu", log_every=0), *extra]
 
 
 def run(name: str, args: list[str], runs: Path, *, checkpoints: bool = False
         ) -> dict[str, Any]:
     """One run, or its completed record read back; an interrupted checkpointed run resumes."""
     out = runs / name
-    summary_path = out / "summary.json"
-    if summary_path.is_file():
-        s = json.loads(summary_path.read_text())
+    if (out / "summary.json").is_file():
+        s = common.read_summary(out)
         if s.get("status") == "completed":
             return record(name, out, s, reused=True)
     resume = checkpoints and (out / "checkpoints").is_dir() and any(
         (out / "checkpoints").iterdir())
-    cmd = ([sys.executable, "-m", "noloco", "train", "--resume", str(out)] if resume else
-           [sys.executable, "-m", "noloco", "train", *args,
-            "--checkpoint-every", "200" if checkpoints else "0", "--out", str(out),
-            "--overwrite"])
+    cmd = ([*common.NOLOCO, "train", "--resume", str(out)] if resume else
+           common.noloco_train([*args, "--checkpoint-every", "200" if checkpoints else "0"],
+                               out))
     t0 = time.perf_counter()
     load = common.load_average()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    s = json.loads(summary_path.read_text())
+    common.run_checked(cmd, name)
+    s = common.read_summary(out)
     rec = record(name, out, s, reused=False)
     rec["process_seconds"], rec["load_average_before"] = time.perf_counter() - t0, load
     print(f"{name}: val {s['final_val_loss']:.4f}, {s['bytes_sent'] / 2**20:.1f} "
@@ -143,14 +127,8 @@ def run(name: str, args: list[str], runs: Path, *, checkpoints: bool = False
 
 
 def record(name: str, out: Path, s: dict[str, Any], reused: bool) -> dict[str, Any]:
-    curve = []
-    with open(out / "metrics.jsonl") as f:
-        for line in f:
-            if line.strip():
-                m = json.loads(line)
-                if m.get("val_loss") is not None:
-                    curve.append({k: m.get(k) for k in ("step", "val_loss", "weight_spread",
-                                                         "bytes_sent")})
+    curve = [{k: m.get(k) for k in ("step", "val_loss", "weight_spread", "bytes_sent")}
+             for m in common.read_jsonl(out / "metrics.jsonl") if m.get("val_loss") is not None]
     keep = ("method", "replicas", "stages", "steps", "outer_steps", "sync_every",
             "final_val_loss", "final_val_loss_per_replica", "bytes_sent_per_replica",
             "weight_spread", "wall_seconds", "compute_utilisation")
@@ -440,8 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     # not overwrite the other parts' record
     name = "frontier_sparse" if a.parts == ["sparse"] else "frontier"
     json_path, png_path = common.out_paths(name, a.out_dir, a.quick, a.record)
-    rec = common.start_record("frontier", {k: v for k, v in vars(a).items()
-                                            if k not in ("out_dir", "runs_dir")})
+    rec = common.start_record("frontier", common.config_of(a))
     runs = Path(a.runs_dir) if a.runs_dir else Path(tempfile.gettempdir()) / (
         "noloco-frontier-quick" if a.quick else "noloco-frontier")
     runs.mkdir(parents=True, exist_ok=True)
@@ -455,13 +432,13 @@ def main(argv: list[str] | None = None) -> int:
         res["targets"] = judge(res["sweep"])
     if "sparse" in res:
         res["sparse_targets"] = judge_sparse(res["sparse"])
-    common.write_json(json_path, common.finish_record(rec, res, time.perf_counter() - t0))
+    common.write_record(json_path, rec, res, t0)
     drawn = plot(res, png_path) if set(res) - {"sparse", "sparse_targets"} else None
     if "sparse" in res:
         sparse_png = (png_path if name == "frontier_sparse"
                       else png_path.with_name(png_path.stem + "_sparse.png"))
         drawn = plot_sparse(res["sparse"], sparse_png) or drawn
-    print(f"wrote {json_path}" + (f" and {drawn}" if drawn else " (no plot: no matplotlib)"))
+    print(common.wrote(json_path, drawn))
     if "targets" in res:
         print(json.dumps({k: v for k, v in res["targets"].items() if k != "per_h"}))
     for inner, t in res.get("sparse_targets", {}).items():

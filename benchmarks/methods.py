@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -151,13 +150,12 @@ def plot(res: dict[str, dict[str, Any]], a: argparse.Namespace, path: Path) -> P
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     json_path, png_path = common.out_paths("methods", a.out_dir, a.quick, a.record)
-    config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "runs_dir")}
+    config = common.config_of(a)
     config["tokens_per_replica"] = a.steps * a.batch_size * a.seq_len
     rec = common.start_record("methods", config)
     t0 = time.perf_counter()
     res: dict[str, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="noloco-methods-") as tmp:
-        runs = Path(a.runs_dir) if a.runs_dir else Path(tmp)
+    with common.run_dirs(a.runs_dir, "noloco-methods-") as runs:
         for m in a.methods:
             res[m] = r = run_method(a, m, runs)
             s = r["summary"]
@@ -169,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {"methods": res, "targets": {"loss_gap_max": TARGET_LOSS_GAP,
                                            "utilisation_min": TARGET_UTILISATION},
                "verdict": verdict}
-    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    common.write_record(json_path, rec, results, t0)
     plot(res, a, png_path)
-    for k, v in verdict.items():
-        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {'met' if v else 'MISSED'}")
+    common.print_verdict(verdict)
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -39,9 +39,7 @@ import netns  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="builtin")
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--sync-every", type=int, default=10)
+    common.add_run_flags(p, data=common.DEFAULT_DATA, steps=400, sync_every=10)
     p.add_argument("--slow", type=float, default=30.0,
                    help="every inner step takes this many times as long (it sleeps)")
     p.add_argument("--cut", type=float, default=30.0, help="seconds machine 1 is cut off")
@@ -49,9 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=5.0)
     p.add_argument("--comm-timeout", type=float, default=15.0)
     p.add_argument("--quick", action="store_true", help="smoke run: 8 s cut, 150 steps")
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--runs-dir", default=None, help="keep the run directories here")
-    common.add_record_flag(p)
+    common.add_output_flags(p, runs_dir=str(common.SCRATCH / "partition_runs"),
+                            wait_quiet=False)
     a = p.parse_args(argv)
     common.check_data(p, a.data)
     if a.quick:
@@ -62,39 +59,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def records(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+def train_cmd(a: argparse.Namespace, coordinator: str, ids: str, out: Path) -> list[str]:
+    """One machine's ``noloco train``: replicas ``ids`` of the elastic run at ``coordinator``,
+    every inner step slowed ``--slow`` times."""
+    slow = ",".join(f"slow:{r}:{a.slow:g}" for r in range(4))
+    return common.noloco_train([
+        *common.flags(data=a.data, method="noloco", replicas=4, steps=a.steps,
+                      sync_every=a.sync_every, eval_every=a.sync_every, batch_size=4,
+                      seq_len=32, eval_sequences=8, log_every=0), "--elastic",
+        *common.flags(peer_timeout=a.peer_timeout, comm_timeout=a.comm_timeout,
+                      inject_fault=slow, coordinator=coordinator, replica_ids=ids)], out)
 
 
 def one_run(a: argparse.Namespace, name: str, subnet: str, port: int, out: Path,
             cut: bool, result: dict[str, Any]) -> None:
-    slow = ",".join(f"slow:{r}:{a.slow:g}" for r in range(4))
     shutil.rmtree(out, ignore_errors=True)  # an old run's metrics would set the cut off early
     with netns.Namespaces([None, None], prefix="nlbp", subnet=subnet) as ns:
         host = ns.workers[0].addr
         env = dict(os.environ, GLOO_SOCKET_IFNAME=netns.WORKER_IF, PYTHONUNBUFFERED="1")
         env.setdefault("NOLOCO_SECRET", secrets.token_hex(32))  # the run's, on every machine
-        coord = ns.popen(0, [sys.executable, "-m", "noloco", "coordinator", "--host", host,
-                             "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True)
+        coord = ns.popen(0, [*common.NOLOCO, "coordinator", *common.flags(host=host, port=port)],
+                         env=env, stdout=subprocess.PIPE, text=True)
         assert coord.stdout is not None and "listening on" in coord.stdout.readline()
         t0 = time.time()
-        procs = [ns.popen(m, [sys.executable, "-m", "noloco", "train", "--data", a.data,
-                              "--method", "noloco", "--replicas", "4", "--steps", str(a.steps),
-                              "--sync-every", str(a.sync_every), "--eval-every",
-                              str(a.sync_every), "--batch-size", "4", "--seq-len", "32",
-                              "--eval-sequences", "8", "--log-every", "0", "--elastic",
-                              "--peer-timeout", str(a.peer_timeout), "--comm-timeout",
-                              str(a.comm_timeout), "--inject-fault", slow, "--coordinator",
-                              f"{host}:{port}", "--replica-ids", ids,
-                              "--out", str(out / f"m{m}"), "--overwrite"],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs = [ns.popen(m, train_cmd(a, f"{host}:{port}", ids, out / f"m{m}"), env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for m, ids in enumerate(("0-1", "2-3"))]
         cut_from = cut_to = None
         if cut:
             metrics = out / "m1" / "metrics" / "replica-2.jsonl"
-            while not any(r["step"] >= a.cut_at_step for r in records(metrics)):
+            while not any(r["step"] >= a.cut_at_step for r in common.read_jsonl(metrics)):
                 if any(p.poll() is not None for p in procs):
                     break
                 time.sleep(0.2)
@@ -111,10 +105,9 @@ def one_run(a: argparse.Namespace, name: str, subnet: str, port: int, out: Path,
             raise RuntimeError(f"{name}: a machine failed:\n{err[-2000:]}")
     result.update(t0=t0, cut_from=cut_from, cut_to=cut_to,
                   stderr=[err[-1500:] for _, err in outs],
-                  summaries=[json.loads((out / f"m{m}" / "summary.json").read_text())
-                             for m in (0, 1)],
-                  metrics={r: records(out / f"m{r // 2}" / "metrics" / f"replica-{r}.jsonl")
-                           for r in range(4)})
+                  summaries=[common.read_summary(out / f"m{m}") for m in (0, 1)],
+                  metrics={r: common.read_jsonl(out / f"m{r // 2}" / "metrics"
+                                                / f"replica-{r}.jsonl") for r in range(4)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,10 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       runs_dir / "cut", True, results["cut"]))]
     for t in threads:
         t.start()
-    while any(t.is_alive() for t in threads):
-        if (load := common.load_average()) is not None:
-            loads.append(load[0])
-        time.sleep(5)
+    common.sample_loads(lambda: any(t.is_alive() for t in threads), loads)
     for name, r in results.items():
         if "summaries" not in r:
             raise SystemExit(f"partition: the {name} run failed (see above)")
@@ -167,8 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         "cut_seconds": round(cut["cut_to"] - cut["cut_from"], 2),
         "run_seconds": {n: round(max(x["t"] for m in r["metrics"].values() for x in m)
                                  - r["t0"], 1) for n, r in results.items()},
-        "load_average": {"mean": round(sum(loads) / len(loads), 2) if loads else None,
-                         "max": max(loads, default=None)},
+        "load_average": common.load_stats(loads),
         "cpp_noise_in_logs": any(s in err for r in results.values() for err in r["stderr"]
                                  for s in ("connectFullMesh", "[E", "Traceback")),
     }
@@ -176,12 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         table["bytes_sent_ratio"][k] >= 0.9 for k in ("2", "3")),
         "the_cut_is_listed": sorted(c["replica"] for c in table["partitions"]) == [2, 3],
         "no_cpp_error_in_logs": not table["cpp_noise_in_logs"]}
-    rec = common.finish_record(rec, {"table": table, "verdict": verdict,
-                                     "metrics": {n: r["metrics"] for n, r in results.items()},
-                                     "cut_window": [cut["cut_from"] - cut["t0"],
-                                                    cut["cut_to"] - cut["t0"]]},
-                               time.perf_counter() - start)
-    common.write_json(json_path, rec)
+    common.write_record(json_path, rec, {
+        "table": table, "verdict": verdict,
+        "metrics": {n: r["metrics"] for n, r in results.items()},
+        "cut_window": [cut["cut_from"] - cut["t0"], cut["cut_to"] - cut["t0"]]}, start)
     plt = common.pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -200,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         common.save_figure(fig, png_path)
     print(json.dumps({"table": {k: v for k, v in table.items() if k != "partitions"},
                       "verdict": verdict}, indent=2))
-    print(f"wrote {json_path}" + (f" and {png_path}" if plt is not None else ""))
+    print(common.wrote(json_path, png_path if plt is not None else None))
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -168,13 +167,12 @@ def plot(res: dict[str, Any], a: argparse.Namespace, path: Path) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     json_path, png_path = common.out_paths("pipeline", a.out_dir, a.quick, a.record)
-    config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "runs_dir")}
+    config = common.config_of(a)
     config["tokens_per_replica"] = a.steps * a.batch_size * a.seq_len
     rec = common.start_record("pipeline", config)
     t0 = time.perf_counter()
     res: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="noloco-pipeline-") as tmp:
-        runs = Path(a.runs_dir) if a.runs_dir else Path(tmp)
+    with common.run_dirs(a.runs_dir, "noloco-pipeline-") as runs:
         for k in a.runs:
             res[k] = r = run_one(a, k, runs)
             s = r["summary"]
@@ -184,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['activation_bytes'] / 2**20:8.1f} MiB | {s['tokens_per_second']:7,.0f} "
                   f"tok/s | process {r['process_seconds']:5.1f} s", flush=True)
     derived = derive(res)
-    common.write_json(json_path, common.finish_record(rec, {"runs": res, "derived": derived},
-                                                      time.perf_counter() - t0))
+    common.write_record(json_path, rec, {"runs": res, "derived": derived}, t0)
     plot(res, a, png_path)
     for key in ("spread_random_vs_fixed_noloco", "spread_random_vs_fixed_no_sync"):
         d = derived[key]

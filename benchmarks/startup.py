@@ -25,9 +25,7 @@ tokenizer trained by this script on the corpus (``tokenizers``, vocabulary ``--v
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,24 +40,18 @@ TARGET = 1.2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=common.DEFAULT_DATA, help="corpus (default: built-in)")
+    common.add_run_flags(p, {"data": "corpus (default: built-in)"}, data=common.DEFAULT_DATA)
     p.add_argument("--max-tokens", type=int, default=3_000_000,
                    help="tokens of the corpus (default 3M: a few MB)")
     p.add_argument("--replicas", default="1,4,8", help="replica counts (default 1,4,8)")
     p.add_argument("--vocab", type=int, default=2048, help="the HF tokenizer's vocabulary")
     p.add_argument("--no-hf", action="store_true", help="only the byte tokenizer")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 and 2 replicas, bytes")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go")
-    common.add_record_flag(p)
+    common.add_output_flags(p, runs_dir=None, wait_quiet=False)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.no_hf, a.max_tokens = "1,2", True, min(a.max_tokens, 300_000)
-    try:
-        a.replica_counts = [int(x) for x in a.replicas.split(",")]
-    except ValueError:
-        p.error("--replicas takes numbers separated by commas, e.g. 1,4,8")
-    if not a.replica_counts or min(a.replica_counts) < 1:
-        p.error("--replicas: each count must be >= 1")
+    a.replica_counts = common.replica_counts(p, a.replicas, 1)
     common.check_data(p, a.data)
     return a
 
@@ -94,20 +86,14 @@ def hf_tokenizer(data: str, max_tokens: int, vocab: int, where: Path) -> Path | 
 
 def run(a: argparse.Namespace, replicas: int, tokenizer: str, cache: str, out: Path
         ) -> dict[str, Any]:
-    method = ["--method", "single"] if replicas == 1 else [
-        "--method", "noloco", "--replicas", str(replicas)]
-    cmd = [sys.executable, "-m", "noloco", "train", "--data", a.data, "--tokenizer", tokenizer,
-           "--max-tokens", str(a.max_tokens), *method, "--steps", "1", "--eval-every", "1",
-           "--eval-sequences", "4", "--batch-size", "4", "--seq-len", "64",
-           "--checkpoint-every", "0", "--log-every", "0", "--out", str(out), "--overwrite"]
-    env = {**os.environ, "NOLOCO_TOKEN_CACHE": cache}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    st = json.loads((out / "summary.json").read_text())["startup"]
-    return {**st, "wall_seconds": wall}
+    method = (common.flags(method="single") if replicas == 1 else
+              common.flags(method="noloco", replicas=replicas))
+    cmd = common.noloco_train([
+        *common.flags(data=a.data, tokenizer=tokenizer, max_tokens=a.max_tokens), *method,
+        *common.flags(steps=1, eval_every=1, eval_sequences=4, batch_size=4, seq_len=64,
+                      checkpoint_every=0, log_every=0)], out)
+    _, wall = common.run_checked(cmd, env={**os.environ, "NOLOCO_TOKEN_CACHE": cache})
+    return {**common.read_summary(out)["startup"], "wall_seconds": wall}
 
 
 def measure(a: Any, scratch: Path) -> dict[str, Any]:
@@ -147,9 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                         "private_tokens_with_file": modes["file"][str(max(a.replica_counts))][
                             "corpus_private_bytes_sum"]}
     out = {"runs": results, "judged": judged, "target_ratio": TARGET}
-    common.finish_record(rec, out, time.perf_counter() - t_start)
     json_path, png_path = common.out_paths("startup", a.out_dir, a.quick, a.record)
-    common.write_json(json_path, rec)
+    common.write_record(json_path, rec, out, t_start)
     plt = common.pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.8), squeeze=False)
@@ -165,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             ax.set_title(f"start-up, {name} tokenizer")
             ax.legend(fontsize=7)
         common.save_figure(fig, png_path)
-    print(f"wrote {json_path}")
+    print(common.wrote(json_path, png_path if plt is not None else None))
     return 0
 
 

@@ -47,7 +47,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -105,14 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train_cmd(a: argparse.Namespace, run: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "noloco", "train", *RUNS[run],
-            "--replicas", str(a.replicas), "--preset", a.preset, "--data", a.data,
-            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", str(a.warmup),
-            "--sync-every", str(a.sync_every), "--eval-every", str(a.steps),
-            "--eval-sequences", str(a.eval_batches * a.batch_size),
-            "--seed", str(a.seed), "--device", "cpu",
-            "--out", str(out), "--overwrite"]
+    return common.noloco_train([*RUNS[run], *common.flags(
+        replicas=a.replicas, preset=a.preset, data=a.data, steps=a.steps,
+        batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup,
+        sync_every=a.sync_every, eval_every=a.steps,
+        eval_sequences=a.eval_batches * a.batch_size, seed=a.seed, device="cpu")], out)
 
 
 def run_one(a: argparse.Namespace, run: str, runs: Path) -> dict[str, Any]:
@@ -396,15 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     a = parse_args(argv)
     json_path, png_path = common.out_paths("streaming", a.out_dir, a.quick, a.record)
-    config = {k: v for k, v in vars(a).items() if k not in ("out_dir", "runs_dir")}
-    rec = common.start_record("streaming", config)
+    rec = common.start_record("streaming", common.config_of(a))
     t0 = time.perf_counter()
     res: dict[str, dict[str, Any]] = {}
     shaped: dict[str, dict[str, Any]] = {}
     ok, why = shaping_available()
-    with tempfile.TemporaryDirectory(prefix="noloco-streaming-") as tmp:
-        runs = Path(a.runs_dir) if a.runs_dir else Path(tmp)
-        runs.mkdir(parents=True, exist_ok=True)
+    with common.run_dirs(a.runs_dir, "noloco-streaming-") as runs:
         for run in a.runs:
             res[run] = r = run_one(a, run, runs)
             s = r["summary"]
@@ -433,10 +426,9 @@ def main(argv: list[str] | None = None) -> int:
                "targets": {"loss_gap_max": TARGET_LOSS_GAP, "bytes_ratio_min": TARGET_BYTES_RATIO,
                            "peak_ratio_min_fraction_of_P": TARGET_PEAK_FRACTION,
                            "blocked_removed_min": TARGET_BLOCKED_REMOVED}}
-    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    common.write_record(json_path, rec, results, t0)
     plot(res, a, png_path, shaped)
-    for k, v in verdict.items():
-        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {'met' if v else 'MISSED'}")
+    common.print_verdict(verdict)
     print(f"wrote {json_path} and {png_path}")
     return 0
 

@@ -55,26 +55,19 @@ TARGET_MEMORY = 1.10
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(common.DEFAULT_DATA),
-                   help="training text (default: the built-in corpus)")
-    p.add_argument("--preset", default="tiny", help="model preset (noloco.model.PRESETS)")
-    p.add_argument("--steps", type=int, default=60, help="training steps per run")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    common.add_run_flags(p, {"preset": "model preset (noloco.model.PRESETS)",
+                             "steps": "training steps per run",
+                             "batch_size": "sequences per step", "lr": "AdamW learning rate"},
+                         data=str(common.DEFAULT_DATA), preset="tiny", steps=60, batch_size=16,
+                         seq_len=128, lr=1e-3)
     p.add_argument("--repeats", type=int, default=5, help="runs of each side (alternating)")
     p.add_argument("--cpus", type=int, default=0,
                    help="pin both sides to this many CPUs (0: all; noloco then uses as many "
                    "threads, and so does the bare loop); 1 is steadier on a busy machine")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
-                   help="before each run, wait up to this long for the load average to drop "
-                   "below the core count (the machine may be shared)")
     p.add_argument("--profile", action="store_true",
                    help="also run noloco once under cProfile and record its top functions")
     p.add_argument("--quick", action="store_true", help="smoke run: few steps, one repeat")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go "
-                   "(default: the scratch directory; benchmarks/results with --record)")
-    common.add_record_flag(p)
+    common.add_output_flags(p, runs_dir=None)
     p.add_argument("--against", choices=("bare", "compile", "bf16"), default="bare",
                    help="what noloco is measured against: the bare loop, or noloco with "
                    "--compile or --precision bf16")
@@ -86,9 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         a.steps, a.repeats = min(a.steps, 8), 1
     if a.steps < 3:
         p.error("--steps must be >= 3 (the first step is dropped as warm-up)")
-    for name in ("batch_size", "seq_len", "repeats"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    common.check_at_least_one(p, a, "batch_size", "seq_len", "repeats")
     if not 0 <= a.cpus <= common.cores():
         p.error(f"--cpus must lie in 0..{common.cores()}")
     common.check_data(p, a.data)
@@ -154,7 +145,7 @@ def noloco_worker(a: argparse.Namespace) -> dict[str, Any]:
     rc = cli.main(noloco_argv(a, Path(a.run_dir)) + SWITCHES.get(a.worker, []))
     if rc:
         raise SystemExit(rc)
-    s = json.loads((Path(a.run_dir) / "summary.json").read_text())
+    s = common.read_summary(Path(a.run_dir))
     if len(marks) != a.steps:
         raise RuntimeError(f"expected {a.steps} step timestamps, got {len(marks)}")
     return {"marks": marks, "loop_tokens_per_second": s["tokens_per_second"],
@@ -166,13 +157,10 @@ SWITCHES = {"compile": ["--compile"], "bf16": ["--precision", "bf16"]}
 
 
 def noloco_argv(a: argparse.Namespace, out: Path) -> list[str]:
-    return ["train", "--method", "single", "--preset", a.preset, "--data", a.data,
-            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--lr", str(a.lr), "--warmup", "0",
-            "--weight-decay", "0", "--grad-clip", "1.0", "--eval-every", str(a.steps),
-            "--eval-sequences", str(a.batch_size),
-            "--seed", "0", "--device", "cpu", "--out", str(out),
-            "--overwrite"]
+    return common.train_argv(common.flags(
+        method="single", preset=a.preset, data=a.data, steps=a.steps, batch_size=a.batch_size,
+        seq_len=a.seq_len, lr=a.lr, warmup=0, weight_decay=0, grad_clip=1.0,
+        eval_every=a.steps, eval_sequences=a.batch_size, seed=0, device="cpu"), out)
 
 
 # ---- the driver ----------------------------------------------------------------------------
@@ -203,10 +191,9 @@ def run_child(cmd: list[str], cpus: int = 0) -> tuple[str, float, int, float]:
 
 
 def worker_cmd(a: argparse.Namespace, side: str, run_dir: Path) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--worker", side,
-            "--run-dir", str(run_dir), "--preset", a.preset, "--data", a.data,
-            "--steps", str(a.steps), "--batch-size", str(a.batch_size),
-            "--seq-len", str(a.seq_len), "--lr", str(a.lr)]
+    return [sys.executable, str(Path(__file__).resolve()), *common.flags(
+        worker=side, run_dir=run_dir, preset=a.preset, data=a.data, steps=a.steps,
+        batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr)]
 
 
 def run_side(a: argparse.Namespace, side: str, tmp: Path) -> dict[str, Any]:
@@ -281,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     other = a.against
     name = "throughput" if other == "bare" else f"throughput_{other}"
     json_path, png_path = common.out_paths(name, a.out_dir, a.quick, a.record)
-    config = {k: v for k, v in vars(a).items() if k not in ("worker", "run_dir", "out_dir")}
+    config = common.config_of(a, ("worker", "run_dir", "out_dir"))
     config["tokens_per_step"] = a.batch_size * a.seq_len
     config["noloco_command"] = "noloco " + " ".join(noloco_argv(a, Path("TMP")))
     rec = common.start_record(name, config)
@@ -320,14 +307,13 @@ def main(argv: list[str] | None = None) -> int:
         "speed_target_met": speed >= TARGET_SPEED, "memory_target_met": memory <= TARGET_MEMORY,
         "profile_noloco_top_own_time": profile,
     }
-    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
-    plot(results, png_path)
+    common.write_record(json_path, rec, results, t0)
     print(f"noloco / bare: tokens/s {speed:.3f} (target >= {TARGET_SPEED}: "
           f"{'met' if speed >= TARGET_SPEED else 'MISSED'}; per CPU second "
           f"{results['cpu_speed_ratio']:.3f}; whole loop {results['loop_speed_ratio']:.3f}), "
           f"peak memory {memory:.3f} (target <= {TARGET_MEMORY}: "
           f"{'met' if memory <= TARGET_MEMORY else 'MISSED'})")
-    print(f"wrote {json_path} and {png_path}")
+    print(common.wrote(json_path, plot(results, png_path)))
     return 0
 
 
@@ -346,7 +332,7 @@ def record_switch(a: argparse.Namespace, switch: str, runs: dict[str, list[dict[
                "process_seconds_ratio": ratio("process_seconds"),
                "final_val_loss": {s: statistics.median(r["final_val_loss"] for r in rs)
                                   for s, rs in runs.items()}}
-    common.write_json(json_path, common.finish_record(rec, results, time.perf_counter() - t0))
+    common.write_record(json_path, rec, results, t0)
     print(f"noloco {' '.join(SWITCHES[switch])} / noloco: tokens/s (median step) "
           f"{results['speed_ratio']:.3f}, per CPU second {results['cpu_speed_ratio']:.3f}, "
           f"whole process {1 / results['process_seconds_ratio']:.3f}, peak memory "

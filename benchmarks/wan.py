@@ -62,7 +62,6 @@ PREFIX = "nlcw"
 OPS = ("allreduce", "exchange", "exchange_send_first")
 SUBNET = "10.77.0.0/24"
 PORT = 29511
-DATA = "builtin"  # every clone has it; the recorded run names its --data
 
 
 # ---- the model's prediction ----------------------------------------------------------------
@@ -248,19 +247,16 @@ def train_scenario(name: str, rates: list[float], methods: list[str], args: argp
     out_rows = []
     for method in methods:
         run_dir = work / f"train-{name}-{method}"
-        argv = [sys.executable, "-m", "noloco", "train", "--method", method,
-                "--replicas", str(len(rates)), "--data", str(args.data),
-                "--preset", "tiny", "--batch-size", str(args.batch_size),
-                "--seq-len", str(args.seq_len), "--steps", str(args.steps),
-                "--eval-every", str(args.steps), "--eval-sequences", str(args.batch_size),
-                "--warmup", "2", "--log-every", str(args.steps), "--comm-timeout", "600",
-                "--out", str(run_dir), "--overwrite"]
-        if method != "ddp":
-            argv += ["--sync-every", str(args.sync_every)]
+        argv = common.noloco_train(
+            common.flags(method=method, replicas=len(rates), data=args.data, preset="tiny",
+                         batch_size=args.batch_size, seq_len=args.seq_len, steps=args.steps,
+                         eval_every=args.steps, eval_sequences=args.batch_size, warmup=2,
+                         log_every=args.steps, comm_timeout=600), run_dir,
+            common.flags(sync_every=args.sync_every) if method != "ddp" else [])
         with netns.Namespaces(rates, prefix=PREFIX, subnet=SUBNET) as ns:
             launch_wall = run_workers(ns, argv, timeout=900, log_dir=work,
                                       tag=f"train-{name}-{method}")
-        s = json.loads((run_dir / "summary.json").read_text())
+        s = common.read_summary(run_dir)
         row: dict[str, Any] = {
             "scenario": name, "method": method, "rates_bps": rates, "run_dir": str(run_dir),
             "command": " ".join(argv[1:]), "launch_wall_seconds": launch_wall,
@@ -299,7 +295,7 @@ def predict_training(run_dir: Path, method: str, rates: list[float], latency_s: 
                   f"--latency {latency_s:.6f} --methods {method} "
                   f"--pair-latency-terms {PAIR_LATENCY_TERMS}"}
     if method == "noloco":
-        s = json.loads((run_dir / "summary.json").read_text())
+        s = common.read_summary(run_dir)
         seed = json.loads((run_dir / "config.json").read_text()).get("train", {}).get("seed", 0)
         out["netsim_sync_seconds"] = out["sync_seconds"]
         out["sync_seconds"] = gossip_blocked_seconds(rates, p.payload_bytes, latency_s,
@@ -347,12 +343,10 @@ def machine() -> dict[str, Any]:
             "loadavg_start": os.getloadavg(), "date": datetime.datetime.now().isoformat()}
 
 
-def plot(record: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(record: dict[str, Any], path: Path) -> Path | None:
+    plt = common.pyplot()
+    if plt is None:
+        return None
     colors = {"allreduce": "tab:red", "exchange": "tab:blue", "exchange_send_first": "tab:cyan"}
     fig, axes = plt.subplots(1, 2, figsize=(14, 5))
     ax = axes[0]
@@ -384,8 +378,7 @@ def plot(record: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("seconds blocked over the run (mean over workers)")
     ax.set_title(f"(b) training, {rows[0]['steps'] if rows else 0} steps")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return common.save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,11 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--large-mb", type=float, default=16.0,
                     help="the larger payload, MB (bandwidth-dominated)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--sync-every", type=int, default=4)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--data", default=DATA, help="training text (default: built-in corpus)")
+    # part (b)'s runs; the recorded run names its --data (the default: every clone has it)
+    common.add_run_flags(ap, steps=12, sync_every=4, batch_size=4, seq_len=64,
+                         data=common.DEFAULT_DATA)
     ap.add_argument("--no-train", action="store_true", help="skip part (b)")
     ap.add_argument("--train-hetero", action="store_true",
                     help="part (b) on the heterogeneous links too (about +8 min on 2 cores)")
@@ -413,8 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None,
                     help="output directory (default: the scratch directory; "
                     "benchmarks/results with --record)")
-    ap.add_argument("--record", action="store_true",
-                    help="write into benchmarks/results/ (the committed record)")
+    common.add_record_flag(ap)
     args = ap.parse_args(argv)
     if args.worker:
         worker_main(args.worker)
@@ -484,14 +474,11 @@ def main(argv: list[str] | None = None) -> int:
     record["machine"]["loadavg_end"] = os.getloadavg()
     record["seconds"] = time.perf_counter() - t_start
     record["targets"] = targets(record)
-    if args.out is None:
-        args.out = HERE / "results" if args.record and not args.quick else common.SCRATCH
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "wan_quick" if args.quick else "wan"
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
-    plot(record, args.out / f"{stem}.png")
+    json_path, png_path = common.out_paths("wan", args.out, args.quick, args.record)
+    common.write_json(json_path, record)
+    drawn = plot(record, png_path)
     print(json.dumps(record["targets"], indent=1))
-    print(f"wrote {args.out / stem}.json and .png in {record['seconds']:.0f} s")
+    print(f"{common.wrote(json_path, drawn)} in {record['seconds']:.0f} s")
     return 0
 
 

@@ -25,10 +25,8 @@ And one elastic run per mode in which replica 1 is killed at step 5 and respawne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,56 +46,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-respawn", action="store_true", help="leave out the elastic respawn")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 replicas, 1 round, no respawn")
-    p.add_argument("--out-dir", default=None, help="where the JSON and PNG go")
-    common.add_record_flag(p)
+    common.add_output_flags(p, runs_dir=None, wait_quiet=False)
     a = p.parse_args(argv)
     if a.quick:
         a.replicas, a.rounds, a.no_respawn = "2", 1, True
-    try:
-        a.replica_counts = [int(x) for x in a.replicas.split(",")]
-    except ValueError:
-        p.error("--replicas takes numbers separated by commas, e.g. 2,4,8")
-    if not a.replica_counts or min(a.replica_counts) < 2:
-        p.error("--replicas: each count must be >= 2 (one replica runs in the launcher)")
-    if a.rounds < 1:
-        p.error("--rounds must be >= 1")
+    a.replica_counts = common.replica_counts(p, a.replicas, 2,
+                                             " (one replica runs in the launcher)")
+    common.check_at_least_one(p, a, "rounds")
     return a
 
 
 def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall, CPU seconds of the command and all it waited for); exits on failure."""
+    """(wall, CPU seconds of the command and all it waited for); RuntimeError on failure."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - t0
+    _, wall = common.run_checked(cmd, env=env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise SystemExit(f"run failed: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def train_cmd(out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "noloco", "train", "--preset", "tiny", "--data", "builtin",
-            "--max-tokens", "200000", "--batch-size", "4", "--seq-len", "64",
-            "--eval-sequences", "4", "--checkpoint-every", "0", "--log-every", "0",
-            "--method", "noloco", *args, "--out", str(out), "--overwrite"]
+    return common.noloco_train([*common.flags(
+        preset="tiny", data="builtin", max_tokens=200000, batch_size=4, seq_len=64,
+        eval_sequences=4, checkpoint_every=0, log_every=0, method="noloco"), *args], out)
 
 
 def start_run(replicas: int, mode: str, out: Path, cache: str) -> dict[str, Any]:
     env = {**os.environ, "NOLOCO_WARM_START": MODES[mode], "NOLOCO_TOKEN_CACHE": cache}
-    wall, cpu = timed(train_cmd(out, "--replicas", str(replicas), "--steps", "1",
-                                "--eval-every", "1"), env)
-    st = json.loads((out / "summary.json").read_text())["startup"]
+    wall, cpu = timed(train_cmd(out, *common.flags(replicas=replicas, steps=1, eval_every=1)),
+                      env)
+    st = common.read_summary(out)["startup"]
     return {"wall_seconds": wall, "cpu_seconds": cpu,
             "first_step_seconds_max": st.get("first_step_seconds_max")}
 
 
 def respawn_run(mode: str, out: Path, cache: str) -> dict[str, Any]:
     env = {**os.environ, "NOLOCO_WARM_START": MODES[mode], "NOLOCO_TOKEN_CACHE": cache}
-    wall, cpu = timed(train_cmd(out, "--replicas", "2", "--steps", "40", "--sync-every", "5",
-                                "--eval-every", "20", "--elastic", "--peer-timeout", "3",
-                                "--inject-fault", "kill:1@5", "--respawn", "1"), env)
-    s = json.loads((out / "summary.json").read_text())
+    wall, cpu = timed(train_cmd(
+        out, *common.flags(replicas=2, steps=40, sync_every=5, eval_every=20), "--elastic",
+        *common.flags(peer_timeout=3, inject_fault="kill:1@5", respawn=1)), env)
+    s = common.read_summary(out)
     started = [j["started"] for j in s["elastic"]["joins"] if "started" in j]
     joined = [j for j in s["elastic"]["joins"] if j.get("kind") == "joined"]
     respawn = None
@@ -165,9 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="noloco-warm-") as tmp:
         res = measure(a, Path(tmp))
     judged = judge(res)
-    common.finish_record(rec, {**res, "judged": judged}, time.perf_counter() - t_start)
     json_path, png_path = common.out_paths("warm_start", a.out_dir, a.quick, a.record)
-    common.write_json(json_path, rec)
+    common.write_record(json_path, rec, {**res, "judged": judged}, t_start)
     for n in a.replica_counts:
         j = judged[str(n)]
         print(f"{n} replicas: warm/fresh wall {j['wall_seconds']['ratio']:.2f}x, CPU "
@@ -187,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             ax.legend(fontsize=8)
         axes[0].set_title("start-up: warm parent vs fresh workers")
         common.save_figure(fig, png_path)
-    print(f"wrote {json_path}")
+    print(common.wrote(json_path, png_path if plt is not None else None))
     return 0
 
 
