@@ -195,7 +195,7 @@ def test_an_interrupted_run_at_a_coordinator_resumes_each_replica_exactly(tmp_pa
                                 env=ENV)
         saved = interrupt_elastic(
             proc, lambda: evaluated(out, 0, 20) and evaluated(out, 1, 20), out)
-        assert summary(out)["elastic"]["epoch"] == 0
+        assert summary(out)["elastic"]["store"]["epoch"] == 0
         assert sorted(saved) == [0, 1] and all(20 <= s < 60 for s in saved.values()), saved
         r = subprocess.run([sys.executable, "-m", "noloco", "train", "--resume", str(out)],
                            capture_output=True, text=True, env=ENV, timeout=200)
@@ -207,7 +207,7 @@ def test_an_interrupted_run_at_a_coordinator_resumes_each_replica_exactly(tmp_pa
         assert f"replica {rep}: resuming from step {step}" in r.stderr, r.stderr
     s = summary(out)
     assert s["status"] == "completed" and s["elastic"]["replicas_finished"] == [0, 1]
-    assert s["elastic"]["epoch"] == 1 and s["elastic"]["joins"] == []
+    assert s["elastic"]["store"]["epoch"] == 1 and s["elastic"]["joins"] == []
     from run_utils import weights
 
     a, b = weights(tmp_path / "ref"), weights(out)

@@ -124,44 +124,67 @@ def test_machines_resuming_at_one_coordinator_meet_in_one_new_epoch(tmp_path):
     """``--resume`` at a coordinator that stayed up: the first machine to resume moves the
     run to a new epoch (no key of the stopped run's operations is met again), a machine
     resuming after it finds that epoch and stays, and a machine whose run trains on at
-    another machine's replicas does not move it (its replicas join them)."""
+    another machine's replicas does not move it (its replicas join them). A store that
+    restarted empty since the stop is followed as it is, whatever its epoch numbers; a run
+    directory without a record (its launcher was killed) moves the run only where nobody
+    trains."""
     import json
+    import shutil
 
     from noloco.config import Config
-    from noloco.elastic.deadline import Namespace, open_store
+    from noloco.elastic.deadline import Namespace, open_store, run_epoch
     from noloco.elastic.host import Host
     from noloco.elastic.keys import live_key
     from noloco.elastic.launcher import ElasticRun
     from noloco.rundir import RunDir
 
     host = Host("127.0.0.1", 0, 10.0)
+    address = f"127.0.0.1:{host.port}"
     try:
-        def machine(local: list[int], stopped_in: int | None) -> tuple[ElasticRun, object]:
+        boot = run_epoch(address, "r1", 10.0)["boot"]
+        assert boot and run_epoch(address, "r1", 10.0)["epoch"] is None  # no run yet
+
+        def machine(local: list[int], stopped: dict | None, name: str = ""
+                    ) -> tuple[ElasticRun, object]:
             run = ElasticRun()
-            run.out, run.replicas, run.stages, run.local = tmp_path / str(local), 3, 1, local
+            run.out, run.replicas, run.stages, run.local = (tmp_path / f"{local}{name}", 3, 1,
+                                                            local)
             RunDir(run.out).prepare(Config(), overwrite=True)
-            RunDir(run.out).write_summary({"status": "interrupted",
-                                           "elastic": {"epoch": stopped_in}})
+            if stopped != "no summary":
+                RunDir(run.out).write_summary({"status": "interrupted",
+                                               "elastic": {"store": stopped}})
             run.ns = Namespace("r1")
             return run, open_store("127.0.0.1", host.port, 10.0, run.ns)
 
-        a, conn_a = machine([0], 0)
-        b, conn_b = machine([1], 0)
+        a, conn_a = machine([0], {"boot": boot, "epoch": 0})
+        b, conn_b = machine([1], {"boot": boot, "epoch": 0})
         assert a.ns.epoch == b.ns.epoch == 0
         a._resume_epoch(conn_a)  # nobody trains: a new epoch
-        assert a.ns.epoch == 1
+        assert a.ns.epoch == 1 and run_epoch(address, "r1", 10.0) == {"boot": boot, "epoch": 1}
         b._resume_epoch(conn_b)  # stopped in 0, the run is in 1 now: it stays there
         assert b.ns.epoch == 1
-        assert Namespace("r1").epoch == 0 and open_store(
-            "127.0.0.1", host.port, 10.0, ns := Namespace("r1")) and ns.epoch == 1
+        ns = Namespace("r1")
+        open_store("127.0.0.1", host.port, 10.0, ns)
+        assert ns.epoch == 1  # and every worker entering finds it
         # The run trains on at replica 2 (elsewhere) in epoch 1; replica 0 here stopped in 1
         conn_a.set(live_key(), json.dumps({"0": {"step": 5}, "2": {"step": 40}}))
-        c, conn_c = machine([0], 1)
+        c, conn_c = machine([0], {"boot": boot, "epoch": 1})
         c._resume_epoch(conn_c)
-        assert c.ns.epoch == 1  # its replica joins the live ones
+        assert c.ns.epoch == 1  # its replicas join the live ones
         conn_a.set(live_key(), json.dumps({"0": {"step": 5}}))  # only its own (stale) beat
         c._resume_epoch(conn_c)
         assert c.ns.epoch == 2
+        # Stopped in epoch 5 of a store that has restarted empty since: not compared
+        d, conn_d = machine([0], {"boot": "another store", "epoch": 5}, "d")
+        d._resume_epoch(conn_d)
+        assert d.ns.epoch == 2
+        # No summary (a killed launcher), a summary of another shape: nobody trains, it moves
+        for what in ("no summary", {"epoch": "x"}):
+            e, conn_e = machine([0], what, "e")
+            shutil.rmtree(e.out / "metrics", ignore_errors=True)
+            before = e.ns.epoch
+            e._resume_epoch(conn_e)
+            assert e.ns.epoch == before + 1
     finally:
         host.stop()
 

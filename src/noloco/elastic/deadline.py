@@ -197,6 +197,20 @@ class Namespace:
             self.epoch = int(now.partition(":")[0])
 
 
+def run_epoch(address: str, run_id: str, timeout: float) -> dict[str, Any] | None:
+    """Where the run ``run_id`` stands in the store at ``address`` now, read on a connection of
+    its own: the store's boot token (a store that restarted empty has another) and the run's
+    epoch in it; None where the store cannot be reached."""
+    try:
+        conn = open_address(address, timeout)
+        key = epoch_key(run_id)
+        boot = conn.get(BOOT_KEY).decode() if conn.check([BOOT_KEY]) else None
+        epoch = int(conn.get(key).decode().partition(":")[0]) if conn.check([key]) else None
+    except store_errors():
+        return None
+    return {"boot": boot, "epoch": epoch}
+
+
 class DeadlineStore:
     """A store connection whose every request is answered within ``timeout`` seconds (a
     ``wait`` within its own timeout plus that) or raises ``DistStoreError`` (module

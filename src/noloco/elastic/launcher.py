@@ -32,6 +32,7 @@ from noloco.elastic.deadline import (
     open_address,
     open_store_patiently,
     request_deadline,
+    run_epoch,
     store_errors,
     wait_reachable,
 )
@@ -90,6 +91,8 @@ class ElasticRun:
                 sup.port = self.host.port
                 conn = open_store_patiently(f"127.0.0.1:{sup.port}", timeout, ns,
                                             cfg.method.comm_timeout)
+            if t.coordinator and sup.resume:
+                self._resume_epoch(conn)
         except ConfigError as e:  # the secret: missing, wrong, unreadable
             print(f"noloco: error: {e}", file=sys.stderr)
             return 2
@@ -99,8 +102,6 @@ class ElasticRun:
             print(f"noloco: error: cannot reach {where} "
                   f"({str(e).splitlines()[0][:160]})", file=sys.stderr)
             return 1
-        if sup.resume and t.coordinator:
-            self._resume_epoch(conn)
         # Its reads outlive a coordinator's restart: a failed one is retried on a new
         # connection (in the run's new epoch) the next time.
         sup.store = Renewing(conn, timeout)
@@ -130,11 +131,15 @@ class ElasticRun:
         Where nobody trains, the run continues in a new epoch of the store, whose keys no
         operation of the stopped run wrote: each replica continues from its own checkpoint
         and redoes no operation against the stopped run's records. The first machine to
-        resume opens it; one resuming later finds it open (above the epoch it stopped in)."""
-        saved = RunDir(self.out).read_summary().get("elastic") or {}
-        stopped_in = saved.get("epoch")
+        resume opens it; one resuming later finds the run above the epoch it stopped in, and
+        follows. A store that restarted empty since the stop (another boot token) holds no
+        key of the stopped run: every machine follows the epoch it finds."""
+        stopped = self._stopped_at()
         ns = self.ns
-        if stopped_in is not None and ns.epoch > stopped_in:
+        if stopped is not None and ns.boot is not None and stopped["boot"] != ns.boot.decode():
+            return  # a new store: nothing of the stopped run in it
+        if stopped is not None and stopped["epoch"] is not None \
+                and ns.epoch > stopped["epoch"]:
             return  # another machine resumed the run first
         others = {r for r in live_replicas(conn, self.replicas, self.stages)
                   if r not in self.local}  # this machine's replicas are not running now
@@ -143,6 +148,27 @@ class ElasticRun:
                   f"join them", file=sys.stderr, flush=True)
             return
         ns.open_next(conn)
+
+    def _stopped_at(self) -> dict[str, Any] | None:
+        """Where the run stood in its store when this machine's part of it last ended
+        (summary.json's ``elastic.store``): None where that is unknown (the launcher was
+        killed, or the run is older)."""
+        try:
+            got = (RunDir(self.out).read_summary().get("elastic") or {}).get("store")
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(got, dict) and isinstance(got.get("boot"), str)
+                and isinstance(got.get("epoch"), int | None)):
+            return None
+        return got
+
+    def _store_now(self) -> dict[str, Any] | None:
+        """Where the run stands in its coordinator's store now (read afresh: this launcher's
+        own connection may not have seen a restart of it); None without a coordinator."""
+        if not self.sup.cfg.train.coordinator:
+            return None
+        return run_epoch(self.address, self.ns.run_id,
+                         request_deadline(self.sup.cfg.method.peer_timeout))
 
     def close(self, sup: Supervisor) -> None:
         if self.dashboard is not None:
@@ -161,7 +187,6 @@ class ElasticRun:
 
     # ---- a stop signal ----------------------------------------------------------------------
     def interrupted(self, sup: Supervisor) -> int:
-        t = sup.cfg.train
         assert sup.signum is not None
         # Each replica (of one stage) saves the step it is at and stops. A replica inside an
         # operation finishes it first: it may wait --peer-timeout for a partner that stopped
@@ -173,14 +198,15 @@ class ElasticRun:
             return self.finished(sup, set(self.local), set())  # every one ended first
         step = max((self._step(r) for r in self.local), default=0)
         saved = newest_checkpoints(self.out, self.local, self.stages)
-        # The run's epoch in its store now: a resume opens the next one, unless another
-        # machine of the run did first or the run trains on elsewhere (:meth:`_resume_epoch`).
-        epoch = self.ns.epoch if t.coordinator else None
+        # Where the run stands in its store now: a resume opens the next epoch, unless
+        # another machine of the run did first or the run trains on elsewhere
+        # (:meth:`_resume_epoch`).
         with contextlib.suppress(OSError):
             RunDir(self.out).update_summary(status="interrupted", last_step=step,
                                             exit_code=128 + sup.signum,
                                             failures=sup.failures,
-                                            elastic={"saved_steps": saved, "epoch": epoch})
+                                            elastic={"saved_steps": saved,
+                                                     "store": self._store_now()})
         name = signal.Signals(sup.signum).name
         if any(s is not None for s in saved.values()):
             at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
@@ -242,7 +268,7 @@ class ElasticRun:
     def finished(self, sup: Supervisor, done: set[int], dead: set[int]) -> int:
         self.close(sup)
         summary = combine(sup.cfg, self.out, sup.failures, self.joins, time.time() - self.t0,
-                          self.ns.epoch if sup.cfg.train.coordinator else None)
+                          self._store_now())
         if not done:
             if all(f["kind"] == "superseded" for f in sup.failures):
                 print("noloco: every replica here was taken over by newer processes",

@@ -235,12 +235,13 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
 
 def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             joins: list[dict[str, Any]], wall_seconds: float,
-            epoch: int | None = None) -> dict[str, Any]:
+            store: dict[str, Any] | None = None) -> dict[str, Any]:
     """summary.json, metrics.jsonl and the model index of an elastic run, from the files the
     replicas left: the mean over the replicas that reported, at each evaluation step. With
     pipeline stages a replica's bytes are its stages' sum, its losses its last stage's.
-    ``cfg`` resolved (the command line's); ``epoch``: the run's epoch in its coordinator's
-    store at the end (where a ``--resume`` of it continues, ElasticRun._resume_epoch)."""
+    ``cfg`` resolved (the command line's); ``store``: where the run stands in its
+    coordinator's store at the end, its boot token and epoch (what a ``--resume`` of it
+    compares, ElasticRun._resume_epoch)."""
     m = cfg.method
     P, last = m.stages, m.stages - 1
     finished: dict[int, dict[str, Any]] = {}
@@ -337,7 +338,7 @@ def combine(cfg: Config, out: Path, failures: list[dict[str, Any]],
             "unreachable_operations": {r: s["unreachable_ops"] for r, s in every.items()},
             "store_restarts": [o for s in finished.values() for o in s["store_restarts"]],
             "run_id": cfg.run_id(),
-            "epoch": epoch,
+            "store": store,
             "joins": joins + [j for s in finished.values() for j in s["joins"]],
         },
     })
