@@ -120,7 +120,7 @@ def test_an_elastic_replica_resumes_from_the_newest_step_all_its_stages_hold(tmp
     assert newest_checkpoints(tmp_path, [0], 1) == {0: None}  # one stage: replica-0/ itself
 
 
-def test_machines_resuming_at_one_coordinator_meet_in_one_new_epoch(tmp_path):
+def test_machines_resuming_at_one_coordinator_meet_in_one_new_epoch(tmp_path, monkeypatch):
     """``--resume`` at a coordinator that stayed up: the first machine to resume moves the
     run to a new epoch (no key of the stopped run's operations is met again), a machine
     resuming after it finds that epoch and stays, and a machine whose run trains on at
@@ -132,12 +132,15 @@ def test_machines_resuming_at_one_coordinator_meet_in_one_new_epoch(tmp_path):
     import shutil
 
     from noloco.config import Config
+    from noloco.elastic import auth
     from noloco.elastic.deadline import Namespace, open_store, run_epoch
     from noloco.elastic.host import Host
     from noloco.elastic.keys import live_key
     from noloco.elastic.launcher import ElasticRun
     from noloco.rundir import RunDir
 
+    # An open store (another test of this process may have set a run secret).
+    monkeypatch.setattr(auth, "_secret", None)
     host = Host("127.0.0.1", 0, 10.0)
     address = f"127.0.0.1:{host.port}"
     try:
