@@ -44,6 +44,21 @@ def make_corpus(path: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def store():
+    """A client of a TCPStore served in this process (a free port): the store protocol of
+    membership, join and re-alignment, without a coordinator process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=20),
+                           wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=20))
+    yield client
+    del client, server
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     """One text file of ~1.1 MB for the tests' training runs (see make_corpus)."""

@@ -193,7 +193,8 @@ def test_a_stalled_replica_is_waited_for_at_most_the_timeout_and_comes_back(tmp_
     ev = s["elastic"]["events"]["2"]
     assert any(e["kind"] == "late" for e in ev)  # it came back after its partner had left
     # ... and exchanged again afterwards: fewer solo exchanges than exchanges after the stall.
-    late = {e["call"] for e in ev}  # late, absent, or left out of a snapshot
+    late = {e["call"] for e in ev if e["kind"] not in ("realigned", "waited_for_link")}
+    # (late, absent, or left out of a snapshot)
     assert len(late) < 10 - 4, ev
     assert math.isfinite(s["final_val_loss_per_replica"]["2"])
 

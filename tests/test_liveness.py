@@ -30,15 +30,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", free_port(), None, True, timedelta(seconds=20),
-                           wait_for_workers=False)
-    client = dist.TCPStore("127.0.0.1", server.port, None, False, timedelta(seconds=20))
-    yield client
-    del client, server
-
-
 class Clock:
     def __init__(self) -> None:
         self.t = 1000.0

@@ -25,6 +25,8 @@ CUT = 10.0
 TIMEOUT = 3.0
 PACE = 0.25
 """seconds an inner step takes: the cut is 40 steps"""
+RUN_OF = {"noloco": ["--sync-every", "2"], "diloco": ["--sync-every", "2"]}
+"""an outer step every 2 inner steps (0.2 s paced): the cut spans ~50 outer steps"""
 CPP_NOISE = ("connectFullMesh", "[E", "[W", "Traceback", "terminate called", "c10d")
 
 
@@ -35,13 +37,13 @@ def records(path: Path) -> list[dict]:
 
 def start_machines(ns: netns.Namespaces, host: str, port: int, env: dict[str, str],
                    outs: list[Path], corpus: Path, method: str, steps: int,
-                   pace: float = PACE) -> list[subprocess.Popen]:
+                   pace: float = PACE, *extra: str) -> list[subprocess.Popen]:
     """Machine 0 runs replicas 0-1, machine 1 replicas 2-3, at the coordinator; every step
     takes ``pace`` seconds (it sleeps the rest: no CPU, and as long on a loaded machine as on
     an idle one) so that the run outlasts the cut with few steps."""
     return [ns.popen(m, [sys.executable, "-m", "noloco", "train", *SMALL,
                          "--data", str(corpus), "--method", method,
-                         "--replicas", "4", "--steps", str(steps), "--sync-every", "10",
+                         "--replicas", "4", "--steps", str(steps), *RUN_OF[method], *extra,
                          "--eval-every", "10", "--elastic", "--peer-timeout", str(TIMEOUT),
                          "--comm-timeout", "8",
                          "--inject-fault", ",".join(f"pace:{r}:{pace}" for r in range(4)),
@@ -58,29 +60,48 @@ def wait_for_step(metrics: Path, step: int, procs: list[subprocess.Popen]) -> No
         time.sleep(0.1)
 
 
+MISSED = {"late", "absent", "not_in_snapshot", "lost", "unreachable"}
+"""the events of an operation a replica did without (all of) its partners"""
+LONELY = 8
+"""--max-lonely-outer-steps of these runs (the default)"""
+LONG_CUT = 16.0
+"""seconds of the long cut: ~80 outer steps of 0.2 s (the others lose --comm-timeout of it to
+an exchange in flight as the link goes down, and --peer-timeout before they leave the cut
+replicas out)"""
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("method", ["noloco", "diloco"])
-def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, method):
+def test_a_machine_cut_off_for_many_outer_steps_meets_the_others_again(tmp_path, corpus,
+                                                                      method):
     """Machine 0 (the coordinator, replicas 0-1) and machine 1 (replicas 2-3); machine 1's
-    link goes down for 10 s mid-run. Machine 0 trains on; machine 1 trains on alone (it
-    cannot reach anyone: no snapshot, no agreement of its own — no split brain), comes back
-    and exchanges again (NoLoCo) or heals (DiLoCo); both summaries name the partition, and
-    the logs hold one-line events, no C++ error dumps."""
+    link goes down for 16 s mid-run, some 80 outer steps. Machine 1 trains on alone (it
+    cannot reach anyone: no snapshot, no agreement of its own — no split brain) for at most
+    --max-lonely-outer-steps, then waits for the link; when it returns the sides meet again
+    (machine 1, behind, takes a live replica's state: NoLoCo exchanges, DiLoCo heals), and
+    from two operations later every replica takes part in at least 90% of its operations.
+    Both summaries name the partition (how far it ran alone, how it re-aligned), the loss is
+    within 2% of the same run without the cut, and the logs hold one-line events, no C++
+    error dumps."""
     port = 29474 if method == "noloco" else 29475
+    ref = subprocess.Popen([sys.executable, "-m", "noloco", "train", *SMALL, "--data",
+                            str(corpus), "--method", method, "--replicas", "4", "--steps",
+                            "300", *RUN_OF[method], "--threads", "1", "--out",
+                            str(tmp_path / "ref")], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True)
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.4.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        # 300 steps (150 stretched twice as long once had the other machine heal instead of
-        # the cut one: see the DiLoCo check below).
-        procs = start_machines(ns, host, port, env, outs, corpus, method, 300)
+        procs = start_machines(ns, host, port, env, outs, corpus, method, 300, 0.1)
         wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 60, procs)
         ns.cut(1)
-        time.sleep(CUT)
+        time.sleep(LONG_CUT)
         ns.cut(1, False)
-        back_at = time.time()
         results = [p.communicate(timeout=300) for p in procs]
         coord.terminate()
         coord.wait(timeout=10)
+    _, ref_err = ref.communicate(timeout=200)
+    assert ref.returncode == 0, ref_err
     for p, (_, err), out in zip(procs, results, outs, strict=True):
         (out / "stderr.txt").write_text(err)  # kept for a look at a failure
         assert p.returncode == 0, err
@@ -90,66 +111,76 @@ def test_a_machine_cut_off_comes_back_and_takes_part_again(tmp_path, corpus, met
     assert s0["elastic"]["replicas_finished"] == [0, 1]
     assert s1["elastic"]["replicas_finished"] == [2, 3]
     # Machine 1's replicas name their partition (a few seconds longer than the cut: the
-    # store must answer again), machine 0's none. On a loaded machine a beat held back for
-    # the peer timeout is listed too (cause "stopped"): no part of this partition.
+    # store must answer again), how far they ran alone and how they re-aligned; machine 0's
+    # none. On a loaded machine a beat held back for the peer timeout is listed too (cause
+    # "stopped"): no part of this partition.
     cuts = [c for c in s1["elastic"]["partitions"] if c["cause"] == "unreachable"]
     assert sorted(c["replica"] for c in cuts) == [2, 3], s1["elastic"]["partitions"]
     assert not any(c["open"] for c in s1["elastic"]["partitions"])
     for c in cuts:
-        assert CUT - 1 <= c["seconds"] <= CUT + 4 * TIMEOUT, c
+        assert LONG_CUT - 1 <= c["seconds"] <= LONG_CUT + 4 * TIMEOUT, c
         assert c["from_step"] < c["to_step"], c  # it trained on while cut off
+        assert 1 <= c["lonely_ops"] <= LONELY, c  # for at most the bound
+        # Usually behind: the others trained on meanwhile. Not always: an exchange in flight
+        # as the link went down held them for --comm-timeout, and a loaded machine slows them.
+        assert c["realigned"] in ("behind", "level", "waited"), c
     assert [c for c in s0["elastic"]["partitions"] if c["cause"] == "unreachable"] == []
-    for r in (2, 3):
-        recs = records(outs[1] / "metrics" / f"replica-{r}.jsonl")
-        assert recs[-1]["step"] == 300
-        after = [x for x in recs if x["t"] > back_at + 4 * TIMEOUT]
-        if method == "noloco":  # exchanging again: its bytes grow after the partition
-            assert after[-1]["bytes_sent"] > after[0]["bytes_sent"], (r, after)
-        # nothing crossed the cut while it lasted: no event of an exchange with the other
-        # machine during it
+    events = {**s0["elastic"]["events"], **s1["elastic"]["events"]}
+    for r in ("2", "3"):
+        assert "waited_for_link" in {e["kind"] for e in events[r]}, events[r]
+    back = max(e["call"] for r in ("2", "3") for e in events[r] if e["kind"] == "realigned")
+    calls = 300 // 2
+    for r, evs in events.items():
+        missed = {e["call"] for e in evs if e["kind"] in MISSED and e["call"] > back + 2}
+        assert len(missed) <= 0.1 * (calls - back - 3), (r, back, sorted(missed))
     if method == "diloco":
-        # The two sides' slow weights parted during the cut: after it, one side took the
-        # other's committed state. Usually the cut machine heals from the quorum that stepped
-        # without it; on a loaded machine the other side may be late for the first
-        # all-reduce after the cut (it waited for the cut machine at every operation of the
-        # cut and fell behind it: issue 36) and heal from the cut machine instead.
-        healed = [j for j in s0["elastic"]["joins"] + s1["elastic"]["joins"]
-                  if j.get("kind") == "healed"]
-        assert healed, (s0["elastic"]["joins"], s1["elastic"]["joins"])
-        # one outcome everywhere: the quorum's weights, on both machines
+        # The two sides' slow weights parted during the cut: after it the cut machine took
+        # the quorum's committed state, and every replica ends with the same weights.
+        healed = [j for j in s1["elastic"]["joins"] if j.get("kind") == "healed"]
+        assert {j["replica"] for j in healed} == {2, 3}, s1["elastic"]["joins"]
         from safetensors.torch import load_file
         w = [load_file(str(o / "model" / f"replica-{r}.safetensors"))
              for o, r in ((outs[0], 0), (outs[0], 1), (outs[1], 2), (outs[1], 3))]
         for x in w[1:]:
             assert all((x[k] == w[0][k]).all() for k in w[0])
+    # No worse than 2% above the calm run's loss (it may come out lower: 8 evaluation
+    # sequences of a 300-step run are noisy, and a few outer steps alone are a longer H).
+    calm = json.loads((tmp_path / "ref" / "summary.json").read_text())["final_val_loss"]
+    for s in (s0, s1):
+        for r, loss in s["final_val_loss_per_replica"].items():
+            assert loss <= 1.02 * calm, (r, loss, calm)
 
 
 @pytest.mark.timeout(300)
-def test_a_machine_cut_off_for_good_finishes_alone(tmp_path, corpus):
-    """Machine 1's link goes down and stays down: its replicas train on alone to the end
-    (NoLoCo needs nobody for its inner steps), exit 0 and list the partition as open."""
+def test_a_machine_cut_off_for_good_waits_then_saves_and_stops_in_one_line(tmp_path, corpus):
+    """Machine 1's link goes down and stays down: its replicas train on alone for
+    --max-lonely-outer-steps, wait for the link, and at --coordinator-timeout save a
+    checkpoint and stop, in one line each; machine 0 finishes without them."""
     port = 29476
     with netns.Namespaces([None, None], prefix="nlcp", subnet="10.79.5.0/24") as ns:
         host, env, coord = start_coordinator(ns, port)
         outs = [tmp_path / "m0", tmp_path / "m1"]
-        # A run that outlasts the cut by longer (steps twice as long) lists it open as well:
-        # a beat counts only once the store answered after it (test_liveness's dead-link
-        # test).
-        procs = start_machines(ns, host, port, env, outs, corpus, "noloco", 120)
+        procs = start_machines(ns, host, port, env, outs, corpus, "noloco", 120, PACE,
+                               "--coordinator-timeout", "25")
         wait_for_step(outs[1] / "metrics" / "replica-2.jsonl", 30, procs)
         ns.cut(1)
         results = [p.communicate(timeout=240) for p in procs]
         coord.terminate()
         coord.wait(timeout=10)
-    for p, (_, err) in zip(procs, results, strict=True):
-        assert p.returncode == 0, err
+    assert procs[0].returncode == 0, results[0][1]
+    assert procs[1].returncode == 1, results[1][1]
+    for _, err in results:
         for noise in CPP_NOISE:
             assert noise not in err, err
+    err = results[1][1]
+    for r in (2, 3):
+        assert f"noloco: replica {r}: cut off from the run's store for {LONELY} operations " \
+               f"alone" in err, err
+    assert "--coordinator-timeout" in err
     s0, s1 = (json.loads((o / "summary.json").read_text()) for o in outs)
-    assert s1["elastic"]["replicas_finished"] == [2, 3]
-    assert s1["elastic"]["steps_per_replica"] == {"2": 120, "3": 120}
-    cuts = [c for c in s1["elastic"]["partitions"] if c["open"]]  # the one that lasted to the end
-    assert sorted(c["replica"] for c in cuts) == [2, 3], s1["elastic"]["partitions"]
-    assert all(c["cause"] == "unreachable" for c in cuts), cuts
-    assert all(v > 0 for v in s1["elastic"]["unreachable_operations"].values())
-    assert [c for c in s0["elastic"]["partitions"] if c["cause"] == "unreachable"] == []
+    assert s0["elastic"]["replicas_finished"] == [0, 1]
+    assert s0["elastic"]["steps_per_replica"] == {"0": 120, "1": 120}
+    assert [f["kind"] for f in s1["failures"]] == ["store lost"] * 2
+    for r in (2, 3):  # each saved where it stopped, far from the end
+        saved = sorted((outs[1] / "checkpoints" / f"replica-{r}").glob("step-*"))
+        assert saved and int(saved[-1].name.split("-")[1]) < 90, saved

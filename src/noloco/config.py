@@ -235,6 +235,11 @@ class MethodConfig:
         10.0, "elastic: seconds a replica waits for a group member to arrive before going on "
         "without it, and silence after which a replica is dropped from the membership (the "
         "transfer itself, once everyone arrived, gets --comm-timeout)", group=FAULTS)
+    max_lonely_outer_steps: int = opt(
+        8, "elastic: outer steps a replica cut off from the run's store trains alone before "
+        "it stops and waits for the link (up to --coordinator-timeout); bounds how far it "
+        "runs ahead of the others, who meet it again when the link returns "
+        "(docs/elastic.md)", group=FAULTS)
 
 
 def default_out() -> str:
@@ -293,8 +298,9 @@ class TrainConfig:
         "coordinator asks every machine to prove (NOLOCO_SECRET gives it instead; "
         "docs/security.md)", group=FAULTS)
     coordinator_timeout: float = opt(
-        1800.0, "elastic: seconds a replica trains on while the run's store (the coordinator) "
-        "does not answer; then it saves a checkpoint and stops", group=FAULTS)
+        1800.0, "elastic: seconds a replica goes on while the run's store (the coordinator) "
+        "does not answer (training alone for at most --max-lonely-outer-steps, then waiting); "
+        "then it saves a checkpoint and stops", group=FAULTS)
     dashboard: int | None = opt(
         None, "elastic: serve a live view of the run (a page that refreshes itself: each "
         "replica's state, step and loss) on 127.0.0.1:PORT; `noloco status OUT` prints it",
@@ -558,6 +564,9 @@ class Config:
                                   "use --respawn to restart the dead one)")
             if not m.peer_timeout > 0:
                 raise ConfigError("--peer-timeout must be > 0")
+            if m.max_lonely_outer_steps < 0:
+                raise ConfigError("--max-lonely-outer-steps must be >= 0 (0: a replica cut "
+                                  "off waits for the link at once)")
         if (t.coordinator or t.replica_ids) and not m.elastic:
             raise ConfigError("--coordinator and --replica-ids need --elastic")
         if t.coordinator and t.coordinator.startswith(ETCD_SCHEME):
@@ -637,7 +646,8 @@ RESUMABLE = ("train.steps", "train.eval_every", "train.log_every", "train.out", 
              "train.wandb", "train.overwrite", "train.checkpoint_every",
              "train.keep_checkpoints", "train.max_restarts", "train.inject_fault",
              "method.comm_timeout", "method.stall_warning", "method.elastic",
-             "method.peer_timeout", "method.payload_mac", "train.respawn", "train.coordinator",
+             "method.peer_timeout", "method.max_lonely_outer_steps", "method.payload_mac",
+             "train.respawn", "train.coordinator",
              "train.replica_ids",
              "train.run_id", "train.coordinator_timeout", "train.dashboard",
              "train.secret_file")

@@ -109,6 +109,15 @@ class ElasticCommunicator(Communicator):
         could not be reached: a partition"""
         self._cut = False
         """the last operation could not reach the store (one event per such period)"""
+        self.lonely = 0
+        """operations done alone or skipped for want of the store since this replica last
+        reached it (the trainer's elastic part reads and resets it: it bounds how far a replica
+        cut off runs ahead, and re-aligns it when the link returns)"""
+        self.lonely_from_step: int | None = None
+        """the step of the first of them"""
+        self._lonely_call = -1
+        self.op_step = 0
+        """the step of this replica's latest operation (alone or not)"""
         self._last_snapshot: list[int] = []
         self._regroup: set[int] = set() if membership.incarnation else set(self.ranks)
         """the replicas a snapshot this replica fixes waits a moment for (:meth:`_await_regroup`):
@@ -150,6 +159,7 @@ class ElasticCommunicator(Communicator):
         it, and it writes nothing anyone reads — no split brain). Left out of the snapshot (it
         registered after it was fixed, or missed an arrival), this replica exchanges with
         nobody this time, and says so in an event."""
+        self.op_step = self.m.step
         try:
             snap = self._snapshot()
         except (_Unreachable, *store_errors()) as e:
@@ -177,6 +187,11 @@ class ElasticCommunicator(Communicator):
         if not isinstance(error, _Unreachable):
             self.m.broken = True
         self._marked = True
+        if call != self._lonely_call:  # once per operation, however many requests failed
+            self._lonely_call = call
+            if self.lonely == 0:
+                self.lonely_from_step = self.m.step
+            self.lonely += 1
         self.unreachable_ops += 1
         self.unreachable_steps.append(self.m.step)
         if not self._cut:
@@ -498,6 +513,7 @@ class ElasticCommunicator(Communicator):
         """``mean(process group, members, context)`` (which leaves the mean in ``tensor`` and
         returns the bytes sent) among the snapshot's replicas that arrive."""
         call = self.calls
+        self.op_step = self.m.step
         try:
             candidates = self._snapshot()
         except (_Unreachable, *store_errors()) as e:  # no quorum reachable: behind

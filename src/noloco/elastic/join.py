@@ -31,8 +31,8 @@ from noloco.comm import CommError
 from noloco.config import ConfigError
 from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.files import replica_checkpoints
-from noloco.elastic.keys import PREFIX, join_key, join_seen_key
-from noloco.elastic.membership import Membership, await_value, probe
+from noloco.elastic.keys import PREFIX, join_key, join_seen_key, missed_key
+from noloco.elastic.membership import Membership, await_value, live_replicas, probe
 from noloco.errors import StoreLost, Superseded
 from noloco.guard import all_finite
 from noloco.integrity import TAG_BYTES, chunk_bounds
@@ -149,6 +149,124 @@ class Joiner:
                 "comm_commits": self.trainer.comm.commits,
                 "step": self.trainer.state.step, "donor": self.trainer.lay.replica}
 
+    # ---- a partition: bounded drift while cut off, re-aligned when the link returns ----------
+    def partition_check(self) -> bool:
+        """Between two steps: False while this replica is cut off from the run's store (it
+        trains on alone, up to the bound); True once it reaches the store, re-aligned with
+        the others if it did operations alone meanwhile."""
+        m, comm = self.membership, self.trainer.comm
+        if m.cut_off():
+            silent = time.monotonic() - m.last_beat
+            if silent > self.trainer.cfg.train.coordinator_timeout:
+                self._stop_without_store(silent)
+            # (Pipeline stages train on alone: a stage that waited would hold the others
+            # past --comm-timeout.)
+            if comm.lonely < self.lonely_limit() or self.trainer.lay.stages > 1:
+                return False
+            if not self._wait_for_link():
+                return False  # a stop signal: the step boundary saves and stops
+        if comm.lonely:
+            self._realign()
+        return True
+
+    def lonely_limit(self) -> int:
+        """Operations a replica cut off does alone before it waits for the link:
+        ``--max-lonely-outer-steps`` outer steps (each of them one operation per fragment)."""
+        m = self.trainer.cfg.method
+        return m.max_lonely_outer_steps * max(m.fragments, 1)
+
+    def _wait_for_link(self) -> bool:
+        """Cut off for ``--max-lonely-outer-steps`` outer steps alone: train no further until
+        the run's store answers again (the others train on and are ahead when it returns, so
+        it takes a live replica's state, :meth:`heal`), or save and stop at
+        ``--coordinator-timeout``. Without the bound a replica cut off for minutes runs
+        hundreds of steps ahead of the others and, its operations numbered beyond theirs,
+        rarely meets them again. False: a stop signal came first."""
+        m, comm, t = self.membership, self.trainer.comm, self.trainer
+        t0, lonely = time.monotonic(), comm.lonely
+        print(f"noloco: replica {t.lay.replica}: cut off from the run's store for "
+              f"{lonely} operations alone (--max-lonely-outer-steps "
+              f"{t.cfg.method.max_lonely_outer_steps}); waiting for the link at step "
+              f"{t.state.step}", file=sys.stderr, flush=True)
+        while m.cut_off():
+            silent = time.monotonic() - m.last_beat
+            if silent > t.cfg.train.coordinator_timeout:
+                self._stop_without_store(silent)
+            if t.status.stop_signal is not None:
+                return False
+            time.sleep(0.1)
+        comm.events.append({"call": comm.calls, "step": t.state.step,
+                            "kind": "waited_for_link", "lonely_ops": lonely,
+                            "seconds": round(time.monotonic() - t0, 2)})
+        return True
+
+    def _realign(self) -> None:
+        """The link is back after operations done alone. A replica that ran ahead of the others
+        (they have not yet reached its latest operation) waits for them, out of new snapshots
+        (its missed mark), until they have: then it is back, in the snapshot of the next
+        operation they all come to — numbered alike everywhere, so the partners are the same
+        on every replica. One behind them takes a live replica's state at its next operation
+        (:meth:`~noloco.elastic.communicator.ElasticCommunicator._left_out`). The partition's
+        record says how far it ran alone and how it re-aligned. (With pipeline stages a replica
+        only waits, at the bound, while cut off.)"""
+        m, comm, t = self.membership, self.trainer.comm, self.trainer
+        lonely, since, last = comm.lonely, comm.lonely_from_step, comm.op_step
+        t0 = time.monotonic()
+        try:
+            how, ahead = self._wait_if_ahead(last)
+        except store_errors():  # out of reach again: once it answers
+            m.broken = True
+            return
+        comm.lonely, comm.lonely_from_step = 0, None
+        record = {"lonely_ops": lonely, "lonely_from_step": since, "last_op_step": last,
+                  "ahead_steps": ahead, "realigned": how,
+                  "waited_seconds": round(time.monotonic() - t0, 2)}
+        comm.events.append({"call": comm.calls, "step": t.state.step, "kind": "realigned",
+                            **record})
+        if m.cuts and "realigned" not in m.cuts[-1]:
+            m.cuts[-1].update(record)
+        print(f"noloco: replica {t.lay.replica}: the link is back after {lonely} operations "
+              f"alone (from step {since}); {how}"
+              f"{f' for the others ({time.monotonic() - t0:.1f} s)' if how == 'waited' else ''}",
+              file=sys.stderr, flush=True)
+
+    def _wait_if_ahead(self, last: int) -> tuple[str, int | None]:
+        """(how it re-aligned, how many steps it was ahead of the furthest other replica; None:
+        there is none) — see :meth:`_realign`."""
+        m, comm, t = self.membership, self.trainer.comm, self.trainer
+        others = self._steps_of_others()
+        ahead = last - max(others.values()) if others else None
+        m_cfg = t.cfg.method
+        interval = max(1, (m_cfg.sync_every or 1) // max(m_cfg.fragments, 1))
+        how = ("alone" if ahead is None else "ahead" if ahead > 0
+               else "behind" if -ahead >= interval  # they passed its next operation too
+               else "level")
+        # Ahead: the others have yet to reach its latest operation's step (level: all were
+        # cut off alike, a coordinator outage, and none does that operation again).
+        if ahead is not None and ahead > 0 and t.lay.stages == 1:
+            how = "waited"
+            m.store.set(missed_key(t.lay.replica), f"m:{comm.calls}")
+            best, moved = max(others.values()), time.monotonic()
+            while (others and max(others.values()) <= last and not m.cut_off()
+                   and t.status.stop_signal is None):
+                # Only while they train: the others' furthest step moves.
+                if max(others.values()) > best:
+                    best, moved = max(others.values()), time.monotonic()
+                elif time.monotonic() - moved > t.cfg.method.peer_timeout:
+                    break
+                time.sleep(0.1)
+                others = self._steps_of_others()
+            comm.back()
+            m.nudge()
+        return how, ahead
+
+    def _steps_of_others(self) -> dict[int, int]:
+        """The step each other live replica that trains has reached (its heartbeat)."""
+        live = live_replicas(self.membership.store, self.membership.replicas,
+                             self.membership.stages)
+        return {r: int(b.get("step", 0)) for r, b in live.items()
+                if r != self.trainer.lay.replica and not b.get("joining")}
+
     def _stop_without_store(self, silent: float) -> None:
         """Past ``--coordinator-timeout`` without the run's store: a checkpoint, then stop
         (the launcher does not start this replica again)."""
@@ -169,10 +287,7 @@ class Joiner:
         m.info.update(outer=self.trainer.method.outer_steps,
                       blocked=round(self.trainer.comm.sync_seconds, 2),
                       joins=sum(j.get("kind") in ("joined", "healed") for j in self.joins))
-        if m.cut_off():
-            silent = time.monotonic() - m.last_beat
-            if silent > self.trainer.cfg.train.coordinator_timeout:
-                self._stop_without_store(silent)
+        if not self.partition_check():
             return  # cut off: nobody to heal from, nobody can ask (the others see it dead)
         if m.ns is not None and m.ns.generation != self.generation:
             # The store restarted empty (a new epoch): what this replica counted in the old
