@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-timeout", type=float, default=5.0)
     p.add_argument("--comm-timeout", type=float, default=15.0)
     p.add_argument("--quick", action="store_true", help="smoke run: 8 s cut, 150 steps")
+    p.add_argument("--max-lonely-outer-steps", type=int, default=None,
+                   help="noloco train's bound on outer steps alone while cut off (default: "
+                   "noloco's); a record of its own, e.g. partition_long_k1000")
     p.add_argument("--long", action="store_true",
                    help="a cut of many outer steps: --sync-every 2, 30 s cut, 400 steps of "
                    "8x slowed steps (its own record, partition_long)")
@@ -81,7 +84,9 @@ def train_cmd(a: argparse.Namespace, coordinator: str, ids: str, out: Path) -> l
                       sync_every=a.sync_every, eval_every=a.sync_every, batch_size=4,
                       seq_len=32, eval_sequences=8, log_every=0), "--elastic",
         *common.flags(peer_timeout=a.peer_timeout, comm_timeout=a.comm_timeout,
-                      inject_fault=slow, coordinator=coordinator, replica_ids=ids)], out)
+                      inject_fault=slow, coordinator=coordinator, replica_ids=ids),
+        *(common.flags(max_lonely_outer_steps=a.max_lonely_outer_steps)
+          if a.max_lonely_outer_steps is not None else [])], out)
 
 
 def one_run(a: argparse.Namespace, name: str, subnet: str, port: int, out: Path,
@@ -144,8 +149,10 @@ def taking_part(summaries: list[dict[str, Any]], calls: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    json_path, png_path = common.out_paths("partition_long" if a.long else "partition",
-                                           a.out_dir, a.quick, a.record)
+    name = "partition_long" if a.long else "partition"
+    if a.max_lonely_outer_steps is not None:
+        name += f"_k{a.max_lonely_outer_steps}"
+    json_path, png_path = common.out_paths(name, a.out_dir, a.quick, a.record)
     runs_dir = Path(a.runs_dir or (common.SCRATCH / "partition_runs"))
     rec = common.start_record("partition", vars(a))
     start = time.perf_counter()
