@@ -150,3 +150,23 @@ def test_pipeline_stages_cut_off_train_on_alone(store):
     t0 = time.monotonic()
     assert not j.partition_check()
     assert time.monotonic() - t0 < 0.2
+
+
+def test_a_replica_that_missed_an_operation_leaves_a_decision_for_a_later_partner(store):
+    """A replica marked as missed from operation 7 on (the others went on without it while
+    it was cut off) arrives at operation 7, waits out the peer timeout and leaves: the
+    operation was over long ago. Its arrival is on record, so it also leaves that decision: a
+    partner coming later still (behind as well, or redoing the operation from a checkpoint)
+    is late at once. It used to count the leaver in and wait for it to connect until the
+    transfer timeout: a respawned replica lost two minutes so."""
+    from noloco.elastic import ElasticCommunicator, Membership
+
+    members = [Membership(store, r, 2, 0.5).start(beat_store=store, thread=False)
+               for r in range(2)]
+    comms = [ElasticCommunicator(m, 0.5) for m in members]
+    for c in comms:
+        c.calls = 7
+    store.set(missed_key(1), "m:7")
+    assert comms[1].agree([0, 1]) == []  # not in: the others went on without it
+    assert comms[0].agree([0, 1]) == []  # late, at once: the decision stands
+    assert comms[0].last_agree_seconds < 0.4

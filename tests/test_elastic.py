@@ -234,6 +234,69 @@ def test_a_respawned_replica_joins_with_its_donors_state_and_learns(tmp_path, co
     assert len(after) >= 2 and after[-1] < after[0]
 
 
+@pytest.mark.parametrize("respawn, left, checkpoint, others, outcome, why", [
+    (1, 1, True, [], "restarted", None),  # nobody to join: its own checkpoint
+    (1, 1, False, [1], "restarted", None),  # a live replica to join
+    (1, 1, False, [], "dead", "no live replica to join from and no checkpoint of its own"),
+    (2, 0, True, [1], "dead", "--respawn is spent"),
+    (0, 0, True, [1], "dead", None),  # never allowed: nothing to explain
+])
+def test_a_failed_replica_is_started_again_or_the_summary_says_why(
+        tmp_path, store, respawn, left, checkpoint, others, outcome, why):
+    """Issue 36, item 4: with --respawn a dead replica starts again while it has a state to
+    start from (a live replica's, or its own newest checkpoint); where it has neither its
+    failure record says so."""
+    from types import SimpleNamespace
+
+    from noloco.checkpoint import receipt_file
+    from noloco.config import Config
+    from noloco.elastic.launcher import ElasticRun
+
+    run = ElasticRun()
+    run.out, run.replicas, run.stages = tmp_path, 2, 1
+    run.local = [0, *others]
+    run.incarnation, run.respawns = {0: 0, 1: 0}, left
+    if checkpoint:
+        receipt = receipt_file(replica_checkpoints(tmp_path, 0), 10, 0)
+        receipt.parent.mkdir(parents=True)
+        receipt.write_text("{}")  # what newest_checkpoints looks for
+    started = []
+    run.start = lambda sup, r: started.append(r)
+    cfg = Config()
+    cfg.train.respawn = respawn
+    sup = SimpleNamespace(cfg=cfg, procs={0: SimpleNamespace(poll=lambda: -9)}, done=set(),
+                          dead=set(), failures=[], store=store, read=lambda key: None)
+    run.sup = sup
+    assert run.failed(sup, 0) == outcome
+    assert started == ([0] if outcome == "restarted" else [])
+    assert sup.failures[0]["kind"] == "SIGKILL"
+    assert sup.failures[0].get("not_restarted") == why
+
+
+@pytest.mark.slow("elastic worker processes, a respawn after the others finished")
+@pytest.mark.timeout(300)
+def test_a_replica_killed_behind_after_the_others_finished_goes_on_from_its_checkpoint(
+        tmp_path, corpus):
+    """Issue 36, item 4: replica 3 freezes for 15 s at step 30 and the others finish
+    meanwhile; killed at step 40, it has nobody to join from. It is started again all the
+    same and goes on from its own newest checkpoint to the run's last step, and the run ends
+    with all four."""
+    out = tmp_path / "run"
+    r = cli("train", "--data", str(corpus), *RUN, "--elastic", "--method", "noloco",
+            "--steps", "50", "--sync-every", "5", "--out", str(out), "--respawn", "1",
+            "--checkpoint-every", "10", "--inject-fault", "stall:3@30:15,kill:3@40",
+            timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert "nobody is left to join from: it goes on from its own checkpoint at step" in r.stderr
+    s = summary(out)
+    assert s["elastic"]["replicas_finished"] == [0, 1, 2, 3]
+    assert [(f["replica"], f["step"]) for f in s["failures"]] == [(3, 40)]
+    assert "not_restarted" not in s["failures"][0]
+    own = [j for j in s["elastic"]["joins"] if j.get("kind") == "own checkpoint"]
+    assert [j["replica"] for j in own] == [3] and 30 <= own[0]["step"] <= 40
+    assert s["elastic"]["steps_per_replica"]["3"] == 50
+
+
 @pytest.mark.slow("elastic worker processes, a kill")
 @pytest.mark.timeout(300)
 def test_diloco_survivors_stay_identical_after_a_death(tmp_path, corpus):

@@ -81,6 +81,23 @@ def _unfinished(tmp_path: Path, run: Path, status: dict, metrics_lines: int) -> 
     return out
 
 
+def test_overwrite_clears_a_previous_elastic_runs_replica_files(tmp_path) -> None:
+    """An elastic run's end combines every ``metrics/replica-K.json`` it finds: one left by an
+    earlier run of more replicas (or one whose replica finished) would count as this run's
+    and name final weights this run never wrote. --overwrite clears them; what the run
+    directory's contract does not name stays."""
+    from noloco.config import Config
+    from noloco.rundir import RunDir
+
+    out = tmp_path / "run"
+    (out / "metrics").mkdir(parents=True)
+    (out / "metrics" / "replica-3.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    RunDir(out).prepare(Config(), overwrite=True)
+    assert not (out / "metrics").exists()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "config.json").is_file()
+
+
 # ---- 1. noloco report ------------------------------------------------------------------------
 
 @pytest.mark.slow("an elastic run's worker processes")

@@ -3,7 +3,8 @@
 - ``config.json``: the resolved config;
 - ``metrics.jsonl``: one JSON object per evaluation;
 - ``summary.json``: how the run ended (``status``), and for a completed run its results;
-- ``checkpoints/`` (see :mod:`noloco.checkpoint`) and ``model/`` (the final weights).
+- ``checkpoints/`` (see :mod:`noloco.checkpoint`) and ``model/`` (the final weights);
+- ``metrics/`` (an elastic run): each replica's own metrics and summary.
 
 Nothing is ever half-written:
 - JSON files are replaced atomically: a temporary file in the same directory, fsync, rename,
@@ -36,7 +37,9 @@ from typing import Any
 from noloco.config import Config, ConfigError
 
 OWNED_FILES = ("config.json", "metrics.jsonl", "summary.json", "job.json")
-OWNED_DIRS = ("checkpoints", "model")
+OWNED_DIRS = ("checkpoints", "model", "metrics")
+"""``metrics/`` holds an elastic run's files of each replica, which the run's end combines: a
+previous run's must not count as this one's (--overwrite)"""
 TMP_SUFFIX = ".tmp"
 
 

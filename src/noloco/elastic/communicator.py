@@ -315,8 +315,14 @@ class ElasticCommunicator(Communicator):
             final = self._decide(call, decided, list(group), group)
         elif (got := await_value(self.store, decided, self.peer_timeout)) is not None:
             final = json.loads(got)
-        elif self._missed_since(call):  # decided without this replica long ago, keys deleted
-            final = []
+        elif self._missed_since(call):
+            # Decided without this replica long ago (those keys may be deleted): the
+            # operation is over, and it says so — unless a decision stands. Its arrival is on
+            # record: a member coming later still (behind too, or redoing the operation from
+            # a checkpoint) must find it closed, not count this one in and wait for it to
+            # connect until the transfer timeout.
+            arrived = self._arrived(arrivals) - {self.rank}
+            final = self._decide(call, decided, [r for r in group if r in arrived], group)
         else:  # the deadline: decide on whoever came
             arrived = self._arrived(arrivals)
             final = self._decide(call, decided, [r for r in group if r in arrived], group)

@@ -92,6 +92,12 @@ def join_streams(own: dict[str, Any] | None, seed: int, rank: int, step: int) ->
     np.random.seed(key % 2**32)
 
 
+class NoDonor(ConfigError):
+    """A joining replica found no live replica to take a state from: the others finished,
+    died or cannot be reached. It may go on from its own newest checkpoint instead
+    (:func:`noloco.elastic.worker.run`)."""
+
+
 class Joiner:
     """The join and heal protocol, from both ends: a component of an elastic replica
     (:class:`noloco.elastic.worker.ElasticReplica`), attached to the one trainer it serves
@@ -506,8 +512,11 @@ class Joiner:
         failed: list[int] = []
         """donors that failed this join, in order: the next try asks another one"""
         while time.monotonic() < deadline and (tries is None or tries > 0):
-            donors = self.membership.donors(commits_above)
+            live = live_replicas(store, self.membership.replicas, self.membership.stages)
+            donors = self.membership.donors_among(live, commits_above)
             if not donors:
+                if kind == "joined" and self._nobody_left(live):
+                    break
                 time.sleep(0.2)
                 continue
             if tries is not None:
@@ -554,8 +563,15 @@ class Joiner:
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
             return True
         if kind == "joined":
-            raise ConfigError(f"replica {self.trainer.lay.replica} found no live replica to join")
+            raise NoDonor(f"replica {self.trainer.lay.replica} found no live replica to join")
         return False
+
+    def _nobody_left(self, live: dict[int, Any]) -> bool:
+        """No other replica alive (not merely none ready to donate: a joining one may become
+        a donor), and every one of them finished: waiting out the join's deadline for a
+        donor would only waste it."""
+        me = self.trainer.lay.replica
+        return not any(r != me for r in live) and self.membership.others_finished()
 
     def _join_staged(self, own: dict[str, Any] | None) -> bool:
         """Joiner side with pipeline stages: stage 0 picks the donor and asks it; every stage
@@ -564,19 +580,26 @@ class Joiner:
         choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}"
         deadline = time.monotonic() + 10 * self.trainer.cfg.method.peer_timeout
         if lay.stage == 0:
-            while not (donors := m.donors()):
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"replica {lay.replica} found no live replica to join")
+            while not (donors := m.donors_among(live := live_replicas(store, m.replicas,
+                                                                      m.stages))):
+                if time.monotonic() > deadline or self._nobody_left(live):
+                    donors = []
+                    break
                 time.sleep(0.2)
-            donor = donors[0]
-            n = store.add(join_key(donor), 1)
-            store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
-            store.set(choice, json.dumps({"donor": donor, "n": n}))
+            if donors:
+                donor = donors[0]
+                n = store.add(join_key(donor), 1)
+                store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
+                store.set(choice, json.dumps({"donor": donor, "n": n}))
+            else:  # every stage learns it: they go on from their own checkpoints together
+                store.set(choice, json.dumps({"donor": None}))
         while not store.check([choice]):
             if time.monotonic() > deadline:
-                raise ConfigError(f"replica {lay.replica} found no live replica to join")
+                raise NoDonor(f"replica {lay.replica} found no live replica to join")
             time.sleep(0.05)
         c = json.loads(store.get(choice))
+        if c["donor"] is None:
+            raise NoDonor(f"replica {lay.replica} found no live replica to join")
         tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:

@@ -253,15 +253,25 @@ class ElasticRun:
             with contextlib.suppress(*store_errors()):  # unknown: nobody
                 others = [q for q in live_replicas(sup.store, self.replicas, self.stages)
                           if q != r]
-        if self.respawns > 0 and others:
+        # Nobody to join from (the others finished or died): its own newest checkpoint.
+        own = newest_checkpoints(self.out, [r], self.stages)[r]
+        if self.respawns > 0 and (others or own is not None):
             self.respawns -= 1
             self.incarnation[r] += 1
             self.joins.append({"replica": r, "incarnation": self.incarnation[r],
                                "started": time.time()})
-            print(f"noloco: starting replica {r} again (it joins from a live replica)",
-                  file=sys.stderr, flush=True)
+            how = ("it joins from a live replica" if others else
+                   f"nobody is left to join from: it goes on from its own checkpoint at step "
+                   f"{own}")
+            print(f"noloco: starting replica {r} again ({how})", file=sys.stderr, flush=True)
             self.start(sup, r)
             return "restarted"
+        if sup.cfg.train.respawn > 0:  # it was allowed restarts: say why it got none
+            why = ("--respawn is spent" if self.respawns <= 0 else
+                   "no live replica to join from and no checkpoint of its own")
+            sup.failures[-1]["not_restarted"] = why
+            print(f"noloco: replica {r} is not started again: {why}", file=sys.stderr,
+                  flush=True)
         return "dead"
 
     # ---- the end ----------------------------------------------------------------------------

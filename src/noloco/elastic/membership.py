@@ -316,12 +316,24 @@ class Membership:
                 out.append(r)
         return sorted(out)
 
+    def others_finished(self) -> bool:
+        """Every other replica's last heartbeat says it finished: none will ever donate.
+        (On etcd a finished replica's beat expires with its lease: then this says no.)"""
+        others = [r for r in range(self.replicas) if r != self.replica]
+        return all(b is not None and json.loads(b).get("done")
+                   for b in read(self.store, [heartbeat_key(r) for r in others]))
+
     def donors(self, commits_above: int | None = None) -> list[int]:
         """Live replicas that train (neither joining nor behind an all-reduce that went on
         without them), the furthest along first: the ones a joining or healing replica may
         take its state from — with ``commits_above``, only those that stepped with more
         all-reduces (a DiLoCo replica that is behind heals from one of those)."""
-        live = live_replicas(self.store, self.replicas, self.stages)
+        return self.donors_among(live_replicas(self.store, self.replicas, self.stages),
+                                 commits_above)
+
+    def donors_among(self, live: dict[int, dict[str, Any]], commits_above: int | None = None
+                     ) -> list[int]:
+        """:meth:`donors` among ``live`` (a :func:`live_replicas` read)."""
         ready = [(b["step"], r) for r, b in live.items()
                  if r != self.replica and b["ready"] and not b.get("behind")
                  and (commits_above is None or b.get("commits", 0) > commits_above)]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -43,7 +44,7 @@ from noloco.elastic.deadline import (
     wait_reachable,
 )
 from noloco.elastic.files import replica_metrics, replica_summary
-from noloco.elastic.join import Joiner
+from noloco.elastic.join import Joiner, NoDonor
 from noloco.elastic.keys import PREFIX, starts_key
 from noloco.elastic.membership import Membership
 from noloco.errors import Interrupted
@@ -206,7 +207,22 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
     try:
         trainer = Trainer(cfg, lay, device, threads, RunDir(Path(t.out)), ctx, status, elastic)
         if incarnation > 0:
-            elastic.join()
+            try:
+                elastic.join()
+            except NoDonor as e:
+                # Nobody left to take a state from, and the run has steps left: this
+                # replica goes on from its own newest checkpoint, alone if it must.
+                trainer.resume(required=False)
+                if trainer.resumed_from is None:
+                    raise NoDonor(f"{e}, and it saved no checkpoint of its own") from None
+                membership.step = status.step = trainer.state.step
+                elastic.joins.append({"kind": "own checkpoint", "replica": replica,
+                                      "stage": stage, "step": trainer.state.step,
+                                      "why": "no live replica to join", "t": time.time()})
+                if stage == 0:
+                    print(f"noloco: replica {replica} found no live replica to join; it goes "
+                          f"on from its own checkpoint at step {trainer.state.step}",
+                          file=sys.stderr, flush=True)
         elif spec.resume:
             trainer.resume(required=False)
             if trainer.resumed_from is None:  # it never saved: it joins the others instead
