@@ -42,8 +42,48 @@ from noloco.methods.noloco import groups_of
 
 __all__ = ["ElasticCommunicator", "groups_of"]
 
-Gloo = dist.ProcessGroupGloo
-"""an operation's group: a gloo group of its final members, on the run's store"""
+class Gloo:
+    """An operation's group: a gloo group of its final members, on the run's store, whose
+    connecting and whose transfer each have their own deadline. Every member of the group
+    arrived moments ago, so one that has not connected within the connect deadline died,
+    stalled or left since (or was counted in by mistake): the others give up on the operation
+    then — gloo's one timeout would hold them for the whole ``--comm-timeout``, meant for
+    moving the bytes over a slow link. Every operation's work waits at most the transfer
+    deadline (gloo's own waits of a send or receive keep the connect deadline otherwise)."""
+
+    def __init__(self, store: Any, rank: int, size: int, connect: float, transfer: float
+                 ) -> None:
+        self.pg = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=connect))
+        self.transfer = timedelta(seconds=transfer)
+        self.pg.set_timeout(self.transfer)
+
+    def __getattr__(self, name: str) -> Any:
+        op = getattr(self.pg, name)
+        if not callable(op):
+            return op
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            got = op(*args, **kwargs)
+            return _Bounded(got, self.transfer) if isinstance(got, dist.Work) else got
+        return call
+
+
+class _Bounded:
+    """A gloo operation's work that waits at most the transfer deadline."""
+
+    def __init__(self, work: dist.Work, timeout: timedelta) -> None:
+        self.work, self.timeout = work, timeout
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return self.work.wait(timeout or self.timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+CONNECT_FLOOR = 10.0
+"""seconds an operation's members may take to connect, at least (a loaded machine may take
+seconds to schedule a member between the agreement and its connecting)"""
 
 KEEP_OPS = 4
 """an operation's agreement keys are deleted by their owners this many operations later (no
@@ -367,13 +407,14 @@ class ElasticCommunicator(Communicator):
         return self._agree(call, sorted(group), 0)[0]
 
     def _group(self, call: int, tag: str, final: list[int]) -> Gloo:
-        # Everyone in ``final`` has arrived: what remains is connecting and moving the bytes,
+        # Everyone in ``final`` has arrived: what remains is connecting (bounded by twice the
+        # peer timeout: they all come straight from the agreement) and moving the bytes,
         # which take as long as the link needs (the arrival deadline was peer_timeout).
         # gloo's rendezvous writes one key per member, "PREFIX/0/RANK" (device 0).
         self._own(call, [f"{tag}/pg/0/{final.index(self.rank)}"])
-        return dist.ProcessGroupGloo(dist.PrefixStore(tag + "/pg", raw(self.store)),
-                                     final.index(self.rank), len(final),
-                                     timedelta(seconds=self.transfer_timeout))
+        return Gloo(dist.PrefixStore(tag + "/pg", raw(self.store)), final.index(self.rank),
+                    len(final), min(max(2 * self.peer_timeout, CONNECT_FLOOR),
+                                    self.transfer_timeout), self.transfer_timeout)
 
     # ---- operations ----------------------------------------------------------------------------
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
