@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +219,18 @@ def out_paths(name: str, out_dir: str | Path | None, quick: bool, record: bool =
         d = SCRATCH
     stem = f"{name}_quick" if quick else name
     return d / f"{stem}.json", d / f"{stem}.png"
+
+
+def plot_bytes_in_time(ax: Any, results: dict[str, dict[str, Any]], solid: str,
+                       label: Callable[[str, Any], str | None]) -> None:
+    """MB sent against seconds since the start, one line per replica and run (``results``:
+    run name → its ``t0`` and ``metrics``, replica → its records): the run named ``solid``
+    drawn solid, the others dotted; ``label(run, replica)`` names a line (None: unnamed)."""
+    for n, r in results.items():
+        for rep, recs in r["metrics"].items():
+            ax.plot([x["t"] - r["t0"] for x in recs], [x["bytes_sent"] / 1e6 for x in recs],
+                    "-" if n == solid else ":", label=label(n, rep), color=f"C{int(rep) % 10}",
+                    lw=1.4 if n == solid else 1.0)
 
 
 def wrote(json_path: Path, png_path: Path | None) -> str:

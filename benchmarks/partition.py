@@ -218,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     plt = common.pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(7.5, 4.5))
-        for n, r in results.items():
-            for rep, recs in r["metrics"].items():
-                ax.plot([x["t"] - r["t0"] for x in recs], [x["bytes_sent"] / 1e6 for x in recs],
-                        "-" if n == "cut" else ":", label=f"{n}: replica {rep}",
-                        color=f"C{rep}", lw=1.4 if n == "cut" else 1.0)
+        common.plot_bytes_in_time(ax, results, "cut", lambda n, rep: f"{n}: replica {rep}")
         ax.axvspan(cut["cut_from"] - cut["t0"], cut["cut_to"] - cut["t0"], color="grey",
                    alpha=0.2, label=f"machine 1 cut off ({table['cut_seconds']:.0f} s)")
         ax.set_xlabel("seconds since start")

@@ -76,6 +76,9 @@ def test_bad_flags_exit_2() -> None:
     proc = subprocess.run([sys.executable, str(BENCH / "sync_latency.py"), "--procs", "3"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "even" in proc.stderr
+    proc = subprocess.run([sys.executable, str(BENCH / "soak.py"), "--replicas", "5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "two machines of pairs" in proc.stderr
 
 
 @pytest.mark.slow("benchmark subprocesses")
