@@ -454,3 +454,13 @@ def test_status_watches_a_static_run(words, single, tmp_path) -> None:
     assert [row["state"] for row in js["rows"]] == ["interrupted"] * 2
     r = cli("status", str(single))
     assert r.returncode == 0 and "single, 1 replica, completed at step 4 of 4" in r.stdout
+
+
+def test_status_shows_an_interrupted_replica_as_stopped_not_finished() -> None:
+    """A replica stopped by Ctrl-C beats its last beat as one that finished (nobody waits for
+    it) but says it stopped: `noloco status` and the live view show it stopped, to be resumed."""
+    from noloco.elastic.status import COLOURS, _row
+
+    assert _row(0, 0, {"done": True, "stopped": True}, "", None)["state"] == "stopped"
+    assert _row(0, 0, {"done": True}, "", None)["state"] == "finished"
+    assert "stopped" in COLOURS

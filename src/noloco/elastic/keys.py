@@ -9,7 +9,8 @@ PREFIX = "noloco/elastic"
 
 def heartbeat_key(replica: int, stage: int = 0) -> str:
     """JSON: the beat counter ``n`` (never a time), step, incarnation, and the flags ready,
-    joining, behind and, in the last beat of a replica that finished, done."""
+    joining, behind and, in the last beat of a replica that finished, done (with stopped
+    where it was interrupted)."""
     return f"{PREFIX}/hb/{replica}/{stage}"
 
 

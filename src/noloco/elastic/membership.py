@@ -176,7 +176,8 @@ class Membership:
             self._thread.start()
         return self
 
-    def beat(self, done: bool = False, confirm: bool = True) -> int | None:
+    def beat(self, done: bool = False, confirm: bool = True, stopped: bool = False
+             ) -> int | None:
         """Write this worker's heartbeat and see it arrive; returns the join requests made to
         this replica so far (None when fenced: a newer incarnation owns the replica).
         ``confirm=False``: write it and go on (a nudge from the training thread, which must
@@ -198,7 +199,8 @@ class Membership:
                 {"n": self.beats, "step": self.step, "incarnation": self.incarnation,
                  "ready": self.ready, "behind": self.behind, "joining": self.joining,
                  "commits": self.commits, **self.info,
-                 **({"done": True} if done else {})}))
+                 **({"done": True} if done else {}),
+                 **({"stopped": True} if stopped else {})}))
             if not confirm:
                 return None
             # A set gets no answer (the client writes it into its socket and goes on): over a
@@ -273,14 +275,15 @@ class Membership:
                 # met within a second (a try costs a refused TCP connect while it is down).
                 wait = min(2 * wait, max(self.interval, 1.0))
 
-    def finish(self) -> None:
-        """Announce that this replica finished: nobody waits for it any more."""
+    def finish(self, stopped: bool = False) -> None:
+        """Announce that this replica finished (``stopped``: was interrupted, to be resumed):
+        nobody waits for it any more."""
         self.stop()
         with contextlib.suppress(Exception):  # the store may be gone with the run
             if self.broken:
                 self.renew()
             self._beat_store = self.store  # the beat thread's connection may be gone with it
-            self.beat(done=True)
+            self.beat(done=True, stopped=stopped)
         if self._thread is not None and time.monotonic() - self.last_beat > self.peer_timeout:
             # cut off to the end: the period is open
             self.cuts.append({"replica": self.replica, "stage": self.stage,

@@ -38,13 +38,14 @@ from noloco.errors import plural
 from noloco.rundir import upgrade_summary
 from noloco.stop import StopEvent
 
-STATES = ("training", "joining", "behind", "late", "dead", "finished", "absent")
+STATES = ("training", "joining", "behind", "late", "dead", "finished", "stopped", "absent")
 """a replica's state in the view: training; joining (taking a live state); behind (an
 all-reduce went on without it: it heals); late (it missed an arrival, out of snapshots until
-back); dead (its heartbeat stopped); finished; absent (never started in this epoch)"""
+back); dead (its heartbeat stopped); finished; stopped (interrupted: Ctrl-C or a stop signal,
+it saved and a --resume continues it); absent (never started in this epoch)"""
 
 COLOURS = {"training": "#2e7d32", "joining": "#1565c0", "behind": "#ef6c00", "late": "#f9a825",
-           "dead": "#c62828", "finished": "#616161", "absent": "#e0e0e0"}
+           "dead": "#c62828", "finished": "#616161", "stopped": "#8e24aa", "absent": "#e0e0e0"}
 
 STORE_FILE = "store.json"
 """in a run directory: where its store is (written by the launcher), for ``noloco status``"""
@@ -87,7 +88,7 @@ def _row(replica: int, stage: int, beat: dict[str, Any] | None, mark: str,
     if beat is None:
         state = "absent"
     elif beat.get("done"):
-        state = "finished"
+        state = "stopped" if beat.get("stopped") else "finished"
     elif live is not None and replica not in live:
         # Not (yet) judged alive: one that never trained is starting, else it died.
         state = "dead" if beat.get("ready") else "joining"
@@ -319,7 +320,7 @@ class Dashboard:
 def add_subparser(sub: Any) -> None:
     p = sub.add_parser("status", help="the replicas of elastic runs: state, step, loss",
                        description="One table per run: each replica's state (training, "
-                       "joining, behind, late, dead, finished), step, outer steps, last "
+                       "joining, behind, late, dead, finished, stopped), step, outer steps, last "
                        "validation loss, seconds blocked, joins and restarts, and the epoch.")
     p.add_argument("where", metavar="COORDINATOR_OR_RUN_DIR",
                    help="HOST:PORT of a coordinator or etcd://H1:P1,... of an etcd cluster "

@@ -237,7 +237,7 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
     except Interrupted:
         # Stopped for good (a resume starts it anew): nobody waits for it, and a machine
         # that resumes the run finds it gone at once (ElasticRun._resume_epoch).
-        membership.finish()
+        membership.finish(stopped=True)
         raise
     finally:
         membership.stop()
