@@ -23,6 +23,8 @@ sends >= 70% of the calm run's bytes, its loss is within 2% of the calm run's, n
     python benchmarks/soak.py --record        # ~4 min on 2 cores
     python benchmarks/soak.py --quick         # 4 replicas, one outage, ~1 min
     python benchmarks/soak.py --mtbf 0 --record --name soak_outage_only   # the outage alone
+    python benchmarks/soak.py --mtbf 0 --max-lonely-outer-steps 2 --record \
+        --name soak_outage_only_k2                 # ... with a tighter bound on lonely steps
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds the coordinator is down (once; 0: never)")
     p.add_argument("--outage-at", type=float, default=0.4,
                    help="when the outage starts, as a share of the calm run's length")
+    p.add_argument("--max-lonely-outer-steps", type=int, default=None,
+                   help="noloco train's bound on outer steps alone while cut off (default: "
+                   "noloco's)")
     p.add_argument("--quick", action="store_true", help="smoke run: 4 replicas, 160 steps")
     common.add_output_flags(p, runs_dir=str(common.SCRATCH / "soak_runs"), wait_quiet=False)
     p.add_argument("--name", default="soak", help="the record's name (results/NAME.json)")
@@ -91,7 +96,9 @@ def train_cmd(a: argparse.Namespace, port: int, ids: str, out: Path, skew: bool)
                       sync_every=a.sync_every, eval_every=a.sync_every * 10, batch_size=4,
                       seq_len=32, eval_sequences=8, log_every=0, seed=a.seed), "--elastic",
         *common.flags(peer_timeout=a.peer_timeout, respawn=a.respawn, inject_fault=pace,
-                      coordinator=f"127.0.0.1:{port}", replica_ids=ids, threads=1)], out)
+                      coordinator=f"127.0.0.1:{port}", replica_ids=ids, threads=1),
+        *(common.flags(max_lonely_outer_steps=a.max_lonely_outer_steps)
+          if a.max_lonely_outer_steps is not None else [])], out)
     return [FAKETIME, "-f", a.skew, *cmd] if skew and FAKETIME else cmd
 
 
@@ -294,11 +301,18 @@ def main(argv: list[str] | None = None) -> int:
     common.write_record(json_path, rec, {
         "table": table, "verdict": verdict,
         "stderr_tail": {n: [err[-3000:] for err in r["stderr"]] for n, r in results.items()},
+        "t0": {n: r["t0"] for n, r in results.items()},
         "metrics": {n: r["metrics"] for n, r in results.items()}}, start)
     plt = common.pyplot()
     if plt is not None:
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        common.plot_bytes_in_time(ax, results, "chaos", lambda n, rep: n if rep == 0 else None)
+        # Machine 1's records carry its skewed clock: back onto the plot's (machine 0's).
+        skew, half = skew_seconds(a.skew) if FAKETIME else 0.0, a.replicas // 2
+        on_one_clock = {n: {"t0": r["t0"], "metrics": {
+            rep: [{**x, "t": x["t"] - (skew if int(rep) >= half else 0.0)} for x in recs]
+            for rep, recs in r["metrics"].items()}} for n, r in results.items()}
+        common.plot_bytes_in_time(ax, on_one_clock, "chaos",
+                                  lambda n, rep: n if rep == 0 else None)
         colours = {"kill": "red", "stall": "orange"}
         for e in wild["events"]:
             if e["kind"] in colours:
@@ -319,6 +333,14 @@ def main(argv: list[str] | None = None) -> int:
     common.print_verdict(verdict)
     print(common.wrote(json_path, png_path if plt is not None else None))
     return 0
+
+
+def skew_seconds(skew: str) -> float:
+    """faketime's offset (``+90s``, ``-2m``, ``+1.5h``, ``+30``) in seconds."""
+    m = re.fullmatch(r"([+-]?\d+(?:\.\d+)?)([smhd]?)", skew.strip())
+    if m is None:
+        return 0.0
+    return float(m[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m[2]]
 
 
 def elastic_failures(r: dict[str, Any]) -> list[dict[str, Any]]:

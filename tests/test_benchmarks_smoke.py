@@ -231,3 +231,11 @@ def test_payload_mac_quick_writes_a_record(tmp_path: Path) -> None:
     r = json.loads((tmp_path / "payload_mac_quick.json").read_text())["results"]
     assert {"plain", "sealed", "sealed_serial"} <= set(r["seconds"])
     assert r["seconds"]["sealed"]["n"] == 3 and r["hash_seconds"] > 0
+
+
+def test_soak_puts_the_skewed_machine_back_on_one_clock() -> None:
+    """Machine 1's records carry faketime's clock: the plot shifts them back by its offset."""
+    import soak
+
+    assert [soak.skew_seconds(x) for x in ("+90s", "-2m", "+1.5h", "+30", "junk")] == [
+        90.0, -120.0, 5400.0, 30.0, 0.0]

@@ -62,7 +62,7 @@ def wait_for_step(metrics: Path, step: int, procs: list[subprocess.Popen]) -> No
 
 MISSED = {"late", "absent", "not_in_snapshot", "lost", "unreachable"}
 """the events of an operation a replica did without (all of) its partners"""
-LONELY = 8
+LONELY = 2
 """--max-lonely-outer-steps of these runs (the default)"""
 LONG_CUT = 16.0
 """seconds of the long cut: ~80 outer steps of 0.2 s (the others lose --comm-timeout of it to

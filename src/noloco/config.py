@@ -236,7 +236,7 @@ class MethodConfig:
         "without it, and silence after which a replica is dropped from the membership (the "
         "transfer itself, once everyone arrived, gets --comm-timeout)", group=FAULTS)
     max_lonely_outer_steps: int = opt(
-        8, "elastic: outer steps a replica cut off from the run's store trains alone before "
+        2, "elastic: outer steps a replica cut off from the run's store trains alone before "
         "it stops and waits for the link (up to --coordinator-timeout); bounds how far it "
         "runs ahead of the others, who meet it again when the link returns "
         "(docs/elastic.md)", group=FAULTS)
