@@ -166,7 +166,11 @@ def test_a_replica_that_missed_an_operation_leaves_a_decision_for_a_later_partne
     comms = [ElasticCommunicator(m, 0.5) for m in members]
     for c in comms:
         c.calls = 7
-    store.set(missed_key(1), "m:7")
+    store.set(missed_key(1), "m:9")
     assert comms[1].agree([0, 1]) == []  # not in: the others went on without it
     assert comms[0].agree([0, 1]) == []  # late, at once: the decision stands
     assert comms[0].last_agree_seconds < 0.4
+    # It marked nobody: not the partner (which may have done the operation long ago), nor
+    # itself below the later operation its mark names.
+    assert store.get(missed_key(1)) == b"m:9"
+    assert store.get(missed_key(0)) == b""

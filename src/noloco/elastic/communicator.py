@@ -360,9 +360,12 @@ class ElasticCommunicator(Communicator):
             # operation is over, and it says so — unless a decision stands. Its arrival is on
             # record: a member coming later still (behind too, or redoing the operation from
             # a checkpoint) must find it closed, not count this one in and wait for it to
-            # connect until the transfer timeout.
+            # connect until the transfer timeout. It marks nobody: the others did this
+            # operation long ago (their keys deleted, this arrival list is new), and its own
+            # mark names a later operation that it must not lower.
             arrived = self._arrived(arrivals) - {self.rank}
-            final = self._decide(call, decided, [r for r in group if r in arrived], group)
+            final = json.loads(self.store.compare_set(
+                decided, "", json.dumps([r for r in group if r in arrived])))
         else:  # the deadline: decide on whoever came
             arrived = self._arrived(arrivals)
             final = self._decide(call, decided, [r for r in group if r in arrived], group)

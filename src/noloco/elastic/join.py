@@ -511,6 +511,7 @@ class Joiner:
         deadline = time.monotonic() + 10 * self.trainer.cfg.method.peer_timeout
         failed: list[int] = []
         """donors that failed this join, in order: the next try asks another one"""
+        live: dict[int, Any] = {}
         while time.monotonic() < deadline and (tries is None or tries > 0):
             live = live_replicas(store, self.membership.replicas, self.membership.stages)
             donors = self.membership.donors_among(live, commits_above)
@@ -563,8 +564,19 @@ class Joiner:
                   f"{time.perf_counter() - t0:.2f} s)", file=sys.stderr, flush=True)
             return True
         if kind == "joined":
-            raise NoDonor(f"replica {self.trainer.lay.replica} found no live replica to join")
+            self._give_up(live)
         return False
+
+    def _give_up(self, live: dict[int, Any]) -> None:
+        """A join that found no donor. Nobody else alive: NoDonor (the replica goes on from
+        its own checkpoint). Replicas alive that did not donate (joining, behind, failing to
+        send): an error — going on from an old checkpoint beside them would train apart from
+        the run; the launcher starts it again to join anew."""
+        me = self.trainer.lay.replica
+        if any(r != me for r in live):
+            raise ConfigError(f"replica {me} could not take a state from the live replicas "
+                              f"{sorted(r for r in live if r != me)} in time")
+        raise NoDonor(f"replica {me} found no live replica to join")
 
     def _nobody_left(self, live: dict[int, Any]) -> bool:
         """No other replica alive (not merely none ready to donate: a joining one may become
@@ -592,14 +604,18 @@ class Joiner:
                 store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
                 store.set(choice, json.dumps({"donor": donor, "n": n}))
             else:  # every stage learns it: they go on from their own checkpoints together
-                store.set(choice, json.dumps({"donor": None}))
+                store.set(choice, json.dumps(
+                    {"donor": None, "live": sorted(r for r in live if r != lay.replica)}))
+        # Stage 0 decides within the deadline; the others give it a peer timeout more, so
+        # none of them gives up on a choice stage 0 is writing.
         while not store.check([choice]):
-            if time.monotonic() > deadline:
-                raise NoDonor(f"replica {lay.replica} found no live replica to join")
+            if time.monotonic() > deadline + self.trainer.cfg.method.peer_timeout:
+                raise ConfigError(f"replica {lay.replica} stage {lay.stage}: its stage 0 "
+                                  f"chose no donor in time")
             time.sleep(0.05)
         c = json.loads(store.get(choice))
         if c["donor"] is None:
-            raise NoDonor(f"replica {lay.replica} found no live replica to join")
+            self._give_up({r: {} for r in c["live"]})
         tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:
