@@ -30,6 +30,7 @@ sends >= 70% of the calm run's bytes, its loss is within 2% of the calm run's, n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -176,10 +177,8 @@ def chaos(a: argparse.Namespace, procs: list[subprocess.Popen], coord: list[Any]
 
 
 def _resume(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # killed while stopped
         os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
 
 
 def one_run(a: argparse.Namespace, name: str, port: int, out: Path,
@@ -257,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     blocked = {n: max((w for s in r["summaries"] for w in
                        ((s.get("elastic") or {}).get("longest_wait_seconds") or {}).values()),
                       default=None) for n, r in results.items()}
-    sync = {n: sum(merged(r, "sync_seconds_by_replica").values()) if merged(
-        r, "sync_seconds_by_replica") else None for n, r in results.items()}
+    sync = {n: sum(merged(r, "sync_seconds_per_replica").values())
+            for n, r in results.items()}
     kinds = Counter(e["kind"] for s in wild["summaries"]
                     for ev in ((s.get("elastic") or {}).get("events") or {}).values() for e in ev)
     table = {
@@ -282,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "longest_wait_seconds": blocked,
         "sync_seconds_total": sync,
         "blocked_seconds_per_fault": round((sync["chaos"] - sync["calm"]) / max(len(faults), 1)
-                                           / a.replicas, 2)
-        if sync["chaos"] is not None and sync["calm"] is not None else None,
+                                           / a.replicas, 2),
         "run_seconds": {n: r["seconds"] for n, r in results.items()},
         "skew": a.skew if FAKETIME else None,
         "load_average": common.load_stats(loads),
