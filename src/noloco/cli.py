@@ -66,6 +66,29 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
                    help="continue the run in RUN_DIR from its newest complete checkpoint, to "
                         "--steps total inner steps; only --steps, --eval-every, --log-every, "
                         "checkpointing, timeout and fault flags may differ from the run's")
+    add_config_flags(p)
+    return p
+
+
+def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "simulate", help="run N replicas of a training run in this one process, as a batch "
+        "dimension: the distributed run's math, without its processes",
+        description="Simulate --replicas N of a `noloco train` run in one process: every "
+        "replica's weights and optimizer state stacked, one batched step for all, and the "
+        "methods' own outer steps over an in-process network. Takes train's flags (those a "
+        "simulation cannot serve are refused in one line); writes the same run directory.",
+        argument_default=argparse.SUPPRESS,
+    )
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="TOML file of settings, as for train; flags override it")
+    add_config_flags(p)
+    p.set_defaults(func=simulate)
+    return p
+
+
+def add_config_flags(p: argparse.ArgumentParser) -> None:
+    """Every setting of the config tree as a flag."""
     # One group per section of the config, in its order, then the groups of flags that belong
     # to no one section (the reliability and elastic flags live in method and train).
     groups = {name: p.add_argument_group(name) for name in
@@ -87,7 +110,6 @@ def _train_parser(sub: Any) -> argparse.ArgumentParser:
             metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
             g.add_argument(flag, dest=f.name, type=typ.get(ftype, str), metavar=metavar,
                            help=help_text)
-    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"noloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=ArgParser)
     _train_parser(sub)
+    _simulate_parser(sub)
     from noloco.export import add_subparser as add_export
     from noloco.generate import add_subparser as add_generate
     from noloco.report import add_subparser as add_report
@@ -212,6 +235,28 @@ def train(ns: argparse.Namespace) -> int:
             sup.starter.close()
     _add_launcher_startup(rundir, load, sup.starter.how if sup is not None else None)
     return code
+
+
+def simulate(ns: argparse.Namespace) -> int:
+    """``noloco simulate``: the replicas of a run in this process (:mod:`noloco.simulate`)."""
+    import torch
+
+    from noloco.data import cpu_count
+    from noloco.rundir import RunDir
+    from noloco.simulate import Simulation, check_simulable
+
+    cfg = config_from_args(ns).resolved()
+    check_simulable(cfg)
+    src = cfg.data.data
+    if src != "builtin" and not src.startswith("hf:") and not Path(src).exists():
+        raise DataError(f"data path not found: {src}")
+    rundir = RunDir(cfg.train.out)
+    rundir.check(overwrite=cfg.train.overwrite)
+    torch.set_num_threads(cfg.train.threads or cpu_count())
+    sim = Simulation(cfg, rundir)  # reads the data: a bad corpus is refused before any write
+    rundir.prepare(cfg, overwrite=cfg.train.overwrite)
+    sim.run()
+    return 0
 
 
 def _add_launcher_startup(rundir: Any, load: Any, workers: str | None) -> None:

@@ -441,20 +441,41 @@ def quantized_mean(send: torch.Tensor, n: int, size: int, fmt: str, block_size: 
     chunk = quantized_chunk_numel(n, size, block_size)
     m = send.numel() // size
 
-    def decode(buf: torch.Tensor) -> torch.Tensor:
-        return quant.dequantize(quant.from_bytes(buf, chunk, fmt, block_size))
-
     recv = torch.empty_like(send)
     all_to_all(recv, send)
-    parts = [decode(b) for b in recv.split(m)]
+    out = _reduce_quantized_chunk(recv.split(m), chunk, fmt, block_size)
+    gathered = [torch.empty_like(out) for _ in range(size)]
+    all_gather(gathered, out)
+    return torch.cat([_decode_chunk(b, chunk, fmt, block_size) for b in gathered])[:n]
+
+
+def quantized_mean_of(sends: Sequence[torch.Tensor], n: int, fmt: str, block_size: int
+                      ) -> torch.Tensor:
+    """What :func:`quantized_mean` returns on every rank, from every rank's send buffer at
+    once (ranks that live in one process, :mod:`noloco.simulate`): the same decoding, sums in
+    rank order and re-encoding, so the same bits."""
+    size = len(sends)
+    chunk = quantized_chunk_numel(n, size, block_size)
+    m = sends[0].numel() // size
+    outs = [_reduce_quantized_chunk([s[j * m:(j + 1) * m] for s in sends], chunk, fmt,
+                                    block_size) for j in range(size)]
+    return torch.cat([_decode_chunk(b, chunk, fmt, block_size) for b in outs])[:n]
+
+
+def _decode_chunk(buf: torch.Tensor, chunk: int, fmt: str, block_size: int) -> torch.Tensor:
+    return quant.dequantize(quant.from_bytes(buf, chunk, fmt, block_size))
+
+
+def _reduce_quantized_chunk(received: Sequence[torch.Tensor], chunk: int, fmt: str,
+                            block_size: int) -> torch.Tensor:
+    """One chunk's owner: decode every rank's message of it, sum them in fp32 in rank order,
+    divide by the ranks and encode the mean again (phase 2's message)."""
+    parts = [_decode_chunk(b, chunk, fmt, block_size) for b in received]
     reduced = parts[0]
     for part in parts[1:]:  # fp32, in rank order
         reduced += part
-    reduced /= size
-    out = quant.to_bytes(quant.quantize(reduced, fmt, block_size))
-    gathered = [torch.empty_like(out) for _ in range(size)]
-    all_gather(gathered, out)
-    return torch.cat([decode(b) for b in gathered])[:n]
+    reduced /= len(received)
+    return quant.to_bytes(quant.quantize(reduced, fmt, block_size))
 
 
 def quantized_all_reduce_bytes(numel: int, size: int, fmt: str,

@@ -302,6 +302,10 @@ def final_report(s: dict[str, Any], out: str, schedule_steps: int | None = None,
                 f"{s['steps']} steps{outer}")
         blocked = f"blocked {s['sync_seconds']:.2f} s"
         files = "summary.json, metrics.jsonl, config.json, model/, checkpoints/"
+        if s.get("simulated"):
+            head = head.replace("done: ", "done (simulated in one process): ", 1)
+            blocked = "no network: blocked 0 s"
+            files = "summary.json, metrics.jsonl, config.json, model/"
     else:
         n = s["replicas"] if local is None else local
         here = "" if n == s["replicas"] else " here"
@@ -323,7 +327,7 @@ def final_report(s: dict[str, Any], out: str, schedule_steps: int | None = None,
         f"  next: noloco report {out}   (a table and plots of this run, or of several)",
         f"        noloco netsim predict {out} --bandwidth 1Gbit --latency 50ms",
     ]
-    if el is None:
+    if el is None and not s.get("simulated"):  # (a simulation keeps no checkpoints)
         lines.append(f"        {more_steps(out, s['steps'], schedule_steps)}")
     return "\n".join(lines)
 

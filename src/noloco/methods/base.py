@@ -67,8 +67,20 @@ class Method:
         """Called after backward, before clipping and the optimizer step."""
 
     def after_inner_step(self) -> None:
-        """Called after every optimizer step."""
+        """Called after every optimizer step: :meth:`start_outer`, then :meth:`complete_outer`."""
+        self.start_outer()
+        self.complete_outer()
+
+    def start_outer(self) -> None:
+        """The first half of :meth:`after_inner_step`: count the step, apply the syncs due,
+        start the ones that start now. Many replicas driven by one process
+        (:mod:`noloco.simulate`) call it on every replica before :meth:`complete_outer` on
+        any: a sync applied at once (τ = 0) is complete only when every replica started it."""
         self.inner_steps += 1
+
+    def complete_outer(self) -> None:
+        """The second half of :meth:`after_inner_step`: apply the syncs that started in
+        :meth:`start_outer` and are due at once."""
 
     def finish(self) -> None:
         """Called once after the last inner step: complete any communication still in flight."""

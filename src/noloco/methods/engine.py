@@ -285,15 +285,17 @@ class OuterSync(Method, ABC):
     def fragment_numel(self) -> list[int]:
         return [f.numel() for f in self.frags]
 
-    def after_inner_step(self) -> None:
-        super().after_inner_step()
+    def start_outer(self) -> None:
+        super().start_outer()
         t = self.inner_steps
         self._apply_due(t)
         for p in self.schedule.starting(t):
             sync = self.communicate(self.frags[p], t)
             if sync is not None:
                 self.inflight.append(sync)
-        self._apply_due(t)  # τ = 0: a sync started now is applied now
+
+    def complete_outer(self) -> None:
+        self._apply_due(self.inner_steps)  # τ = 0: a sync started now is applied now
 
     def finish(self) -> None:
         """Wait for and apply every sync still in flight (the run's last τ steps)."""

@@ -1,0 +1,269 @@
+"""One simulated run: N replicas of a config in one process, the distributed run's math.
+
+Per inner step, as every replica of a distributed run does it (:mod:`noloco.train`):
+
+    every replica reads its own batch (its :class:`noloco.data.ShardedReader`, rank r of N)
+    one batched forward/backward (:class:`StackedReplicas`)
+    DDP: the gradients' mean over the replicas
+    each replica's gradient clipped by its own norm; AdamW on the stacks
+    the outer steps: every replica's method (the methods' own code, :mod:`noloco.methods`)
+        over a :class:`noloco.simulate.fabric.Fabric` — first every replica starts what
+        starts now, then every replica applies what is due now
+
+Evaluations, metrics.jsonl, summary.json (the shared key set of :func:`noloco.metrics.
+shared_summary`, with ``"simulated": true``) and ``model/`` (every replica's weights and
+their mean) are those of a distributed run, so ``noloco report``, ``generate`` and
+``export`` read a simulated run as any other.
+
+Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from noloco import checkpoint as ckpt_mod
+from noloco import data as data_mod
+from noloco.comm import ring_all_reduce_bytes
+from noloco.config import Config, ConfigError
+from noloco.methods import build_method
+from noloco.methods.base import Method
+from noloco.methods.ddp import bucket_layout
+from noloco.metrics import Progress, mean, shared_summary
+from noloco.model import build, count_params, preset
+from noloco.rundir import RunDir
+from noloco.simulate.fabric import Fabric
+from noloco.simulate.replicas import StackedReplicas
+from noloco.token_cache import cached_corpus
+from noloco.train import AVERAGED_METHODS, lr_at
+
+SAVED_REPLICAS = 64
+"""model/ holds every replica's weights up to this many replicas (then replica 0's and the
+mean only: a study of a thousand replicas wants its curves, not a thousand files)"""
+
+
+@dataclass
+class _Clock:
+    loop_s: float = 0.0
+    eval_s: float = 0.0
+
+
+class Simulation:
+    """A resolved config's N replicas in this process (:func:`simulate` runs it)."""
+
+    def __init__(self, cfg: Config, rundir: RunDir) -> None:
+        m, d, o, t = cfg.method, cfg.data, cfg.optim, cfg.train
+        self.cfg, self.rundir = cfg, rundir
+        self.n = m.replicas
+        tokenizer = data_mod.make_tokenizer(d.tokenizer)
+        corpus, _ = cached_corpus(d.data, tokenizer, d.seq_len, d.max_tokens,
+                                  allow_binary=d.allow_binary)
+        self.readers = [data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, r,
+                                               self.n, seed=t.seed) for r in range(self.n)]
+        self.val = data_mod.validation_batches(corpus.val, d.seq_len, t.eval_sequences,
+                                               d.batch_size)
+        self.tokenizer_name = tokenizer.name
+        self.args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
+                           dropout=cfg.model.dropout)
+        model = build(self.args, seed=t.seed)
+        self.n_params = count_params(model)
+        self.n_layers = self.args.n_layers
+        self.replicas = StackedReplicas(model, self.n)
+        self.inner = torch.optim.AdamW(self.replicas.params, lr=o.lr, betas=(o.beta1, o.beta2),
+                                       weight_decay=o.weight_decay)
+        self.fabric = Fabric(self.n)
+        self.comms = self.fabric.communicators()
+        self.ddp = m.method == "ddp"
+        self.methods: list[Method] = []
+        if not self.ddp:
+            self.methods = [build_method(m, self.replicas.named_views(r), self.comms[r],
+                                         seed=t.seed, n_layers=self.n_layers)
+                            for r in range(self.n)]
+        # DDP's buckets (noloco.methods.ddp): one ring all-reduce each per inner step
+        numels = [p[0].numel() for p in self.replicas.params]
+        self.ddp_bucket_bytes = [sum(numels[i] for i in b) * 4 for b in bucket_layout(numels)]
+        self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum
+        self.clock = _Clock()
+        self.step = 0
+        self.unread_losses: list[torch.Tensor] = []
+
+    # ---- one inner step ----------------------------------------------------------------------
+    def inner_step(self) -> torch.Tensor:
+        cfg = self.cfg
+        o = cfg.optim
+        for g in self.inner.param_groups:
+            g["lr"] = lr_at(self.step, o.lr, o.warmup, o.schedule_steps)
+        k = o.grad_accum
+        total = torch.zeros(self.n)
+        for _ in range(k):
+            batches = [reader.next_batch() for reader in self.readers]
+            x = torch.stack([b[0] for b in batches])
+            y = torch.stack([b[1] for b in batches])
+            losses = self.replicas.losses(x, y)
+            (losses.sum() * (1.0 / k) if k > 1 else losses.sum()).backward()
+            total += losses.detach()
+        if self.ddp and self.n > 1:
+            self.replicas.mean_gradients()
+            for comm in self.comms:
+                comm.ops["all_reduce"] += len(self.ddp_bucket_bytes)
+                comm.bytes_sent += sum(ring_all_reduce_bytes(b, self.n)
+                                       for b in self.ddp_bucket_bytes)
+        if o.grad_clip > 0:
+            self.replicas.clip_grad_norm_(o.grad_clip)
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.step += 1
+        # every replica starts what starts now before any applies what is due now
+        for method in self.methods:
+            method.start_outer()
+        for method in self.methods:
+            method.complete_outer()
+        for r, method in enumerate(self.methods):
+            guard = method.guard
+            if guard is not None and guard.restart_inner:
+                self.restart_inner(r)
+                guard.restart_inner = False
+        return total / k
+
+    @torch.no_grad()
+    def restart_inner(self, replica: int) -> None:
+        """The update guard rejected ``replica``'s own update: it took the synced weights
+        (its method did that), and its inner optimizer's moments start afresh. One
+        difference from a distributed replica, which also restarts its AdamW step count:
+        the stacks share one count, so its bias correction does not restart."""
+        for state in self.inner.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key][replica].zero_()
+        print(f"noloco: replica {replica}: its own update was rejected at step {self.step}; "
+              f"it took the synced weights and restarted its inner optimizer's moments",
+              file=sys.stderr, flush=True)
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
+        e0 = time.perf_counter()
+        val = self.replicas.eval_losses(self.val)
+        train = (torch.stack(self.unread_losses).mean(0).tolist() if self.unread_losses
+                 else [float("nan")] * self.n)
+        self.unread_losses.clear()
+        sent = [c.bytes_sent for c in self.comms]
+        rec = {
+            "train_loss": mean(train), "val_loss": mean(val), "val_loss_per_replica": val,
+            "bytes_sent": mean(sent), "bytes_sent_per_replica": mean(sent),
+            "bytes_sent_by_replica": sent, "activation_bytes": 0.0,
+            "sync_seconds": 0.0, "sync_seconds_by_replica": [0.0] * self.n,
+            "weight_spread": self.replicas.weight_spread(),
+            "step": step, "tokens": step * self.tokens_per_step * self.n,
+            "tokens_per_replica": step * self.tokens_per_step,
+            "wall_seconds": self.clock.loop_s,
+        }
+        self.rundir.append_metrics(rec)
+        log.eval_line(rec)
+        self.clock.eval_s += time.perf_counter() - e0
+        return rec
+
+    # ---- the run -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        t = self.cfg.train
+        log = Progress(enabled=True, total=t.steps, log_every=t.log_every)
+        t0 = time.perf_counter()
+        self.evaluate(0, log)
+        while self.step < t.steps:
+            loss = self.inner_step()
+            self.unread_losses.append(loss)
+            log.step(self.step, loss.mean(), self.tokens_per_step * self.n)
+            self.clock.loop_s = time.perf_counter() - t0
+            if self.step % t.eval_every == 0 and self.step != t.steps:
+                self.evaluate(self.step, log)
+        for method in self.methods:
+            method.finish()  # the syncs still in flight (their parts were all posted)
+        self.clock.loop_s = time.perf_counter() - t0
+        rec = self.evaluate(t.steps, log)
+        log.close()
+        self.save_weights()
+        summary = self.summary(rec)
+        self.rundir.write_summary(summary)
+        log.final(summary, str(t.out), self.cfg.optim.schedule_steps)
+        return summary
+
+    def summary(self, rec: dict[str, Any]) -> dict[str, Any]:
+        m, t = self.cfg.method, self.cfg.train
+        out = shared_summary(self.cfg, {r: {"val_loss": rec["val_loss_per_replica"][r],
+                                            "bytes_sent": rec["bytes_sent_by_replica"][r],
+                                            "sync_seconds": 0.0} for r in range(self.n)})
+        first = self.methods[0] if self.methods else None
+        out.update({
+            "simulated": True,
+            "outer_steps": first.outer_steps if first is not None else 0,
+            "group_size": m.group_size if m.method == "noloco" else None,
+            "params": self.n_params,
+            "param_bytes": self.n_params * 4,
+            "tokens_per_replica": t.steps * self.tokens_per_step,
+            "ops": dict(self.comms[0].ops),
+            "weight_spread": rec["weight_spread"],
+            "wall_seconds": self.clock.loop_s,
+            "eval_seconds": self.clock.eval_s,
+            # one replica's share of this process's compute: what a replica of its own on
+            # this machine would take (what `noloco netsim predict` models a network around)
+            "compute_seconds": (self.clock.loop_s - self.clock.eval_s) / self.n,
+            "step_seconds": (self.clock.loop_s - self.clock.eval_s) / self.n / t.steps,
+            "tokens_per_second": t.steps * self.tokens_per_step * self.n
+            / max(self.clock.loop_s - self.clock.eval_s, 1e-9),
+        })
+        if first is not None:
+            out.update(first.settings())
+        return out
+
+    @torch.no_grad()
+    def save_weights(self) -> None:
+        """``model/``: the replicas' weights (up to :data:`SAVED_REPLICAS`) and their mean."""
+        cfg = self.cfg
+        model_dir = self.rundir.path / ckpt_mod.MODEL_DIR
+        meta = {"step": str(self.step), "method": cfg.method.method}
+        saved = range(self.n) if self.n <= SAVED_REPLICAS else range(1)
+        names = []
+        for r in saved:
+            ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name(f"replica-{r}", 0, 1),
+                                  {n: v.detach().clone() for n, v in
+                                   self.replicas.named_views(r)}, meta)
+            names.append(f"replica-{r}")
+        if self.n > 1 and cfg.method.method in AVERAGED_METHODS:
+            ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name("average", 0, 1),
+                                  {n: p.detach().mean(0) for n, p in
+                                   zip(self.replicas.names, self.replicas.params, strict=True)},
+                                  meta)
+            names.append("average")
+        ckpt_mod.write_model_index(self.rundir.path, self.args, names, 1, {
+            "hf_config": None, "tokenizer": cfg.data.tokenizer,
+            "tokenizer_name": self.tokenizer_name, "preset": cfg.model.preset,
+            "step": self.step, "method": cfg.method.method})
+
+
+def check_simulable(cfg: Config) -> None:
+    """Refuse, in one line, what a simulation cannot serve (before anything is written)."""
+    m, o, t = cfg.method, cfg.optim, cfg.train
+    refusals = [
+        (m.stages > 1, "--stages: pipeline stages are not simulated (replicas only)"),
+        (m.elastic, "--elastic: an elastic run is not simulated"),
+        (o.inner_optimizer != "adamw",
+         f"--inner-optimizer {o.inner_optimizer}: only AdamW is batched across replicas "
+         f"(Muon's orthogonalisation is per matrix)"),
+        (cfg.model.hf_model is not None, "--hf-model is not simulated (noloco's own presets)"),
+        (cfg.model.dropout > 0, "--dropout: each replica's dropout draws differ from a "
+                                "distributed run's"),
+        (t.inject_fault != "", "--inject-fault is not simulated"),
+        (t.compile, "--compile is not simulated"),
+        (t.precision != "fp32", f"--precision {t.precision} is not simulated"),
+        (t.coordinator is not None or t.replica_ids is not None,
+         "--coordinator/--replica-ids: a simulation runs every replica here"),
+        (t.tensorboard or t.wandb, "--tensorboard/--wandb are not simulated"),
+        (t.device == "cuda", "--device cuda is not simulated yet"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"noloco simulate: {why}")

@@ -1,0 +1,183 @@
+"""``noloco simulate`` (issue 35): N replicas in one process, the distributed run's math.
+
+The fabric's operations against the distributed communicator's formulas, the stacked
+replicas' step against one replica's, a simulated run against the multi-process run of the
+same config (the weights after 3 outer steps, every byte), and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from run_utils import SMALL, cli, summary, weights
+
+from noloco import quant
+from noloco.comm import quantized_all_reduce_bytes, quantized_mean, quantized_messages
+from noloco.model import build, lm_loss, preset
+from noloco.simulate import Fabric, StackedReplicas
+
+# ---- the fabric ------------------------------------------------------------------------------
+
+
+def test_fabric_all_reduce_gather_exchange():
+    comms = Fabric(3).communicators()
+    xs = [torch.full((5,), float(r + 1)) for r in range(3)]
+    pend = [c.all_reduce_mean_async(x) for c, x in zip(comms, xs, strict=True)]
+    for p in pend:
+        p.wait()
+    for x in xs:
+        assert torch.equal(x, torch.full((5,), 2.0))
+    assert all(c.bytes_sent == 2 * 2 * 5 * 4 // 3 for c in comms)  # the ring's 2(N−1)/N·S
+
+    got = [c.all_gather_async(torch.tensor([float(r)])) for r, c in enumerate(comms)]
+    assert [float(t) for t in got[1].wait()] == [0.0, 1.0, 2.0]
+
+    # 0 and 2 exchange; 1 exchanges with nobody (posts all the same: one schedule)
+    payload = [torch.tensor([10.0 * r]) for r in range(3)]
+    peers = [[2], [], [0]]
+    ex = [c.exchange_async(p, q) for c, p, q in zip(comms, payload, peers, strict=True)]
+    assert [float(t) for t in ex[0].wait()] == [20.0]
+    assert ex[1].wait() == []
+    assert [float(t) for t in ex[2].wait()] == [0.0]
+    assert comms[0].bytes_sent - comms[1].bytes_sent == 4  # one float to one peer
+    assert [c.ops["exchange"] for c in comms] == [1, 1, 1]
+
+
+def test_fabric_quantized_all_reduce_is_the_distributed_one():
+    n, size, fmt = 1000, 4, "fp4"
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, generator=g) for _ in range(size)]
+    comms = Fabric(size).communicators()
+    mine = [x.clone() for x in xs]
+    pend = [c.all_reduce_mean_quantized_async(x, fmt) for c, x in zip(comms, mine, strict=True)]
+    for p in pend:
+        p.wait()
+    # one rank of the distributed two-phase exchange, its peers' messages at hand
+    sends = [quantized_messages(x, size, fmt) for x in xs]
+    m = sends[0].numel() // size
+    rank = 2
+
+    def all_to_all(recv, sent):
+        recv.copy_(torch.cat([s[rank * m:(rank + 1) * m] for s in sends]))
+
+    expected = quantized_mean(sends[rank], n, size, fmt, quant.DEFAULT_BLOCK_SIZE, all_to_all,
+                              lambda out, x: _gather_phase2(out, sends, n, size, fmt))
+    for x in mine:
+        assert torch.equal(x, expected)
+    assert comms[0].bytes_sent == quantized_all_reduce_bytes(n, size, fmt)
+
+
+def _gather_phase2(out, sends, n, size, fmt):
+    """Every rank's phase-2 message: its chunk's mean, encoded (what it all-gathers)."""
+    from noloco.comm import _reduce_quantized_chunk, quantized_chunk_numel
+
+    chunk = quantized_chunk_numel(n, size)
+    m = sends[0].numel() // size
+    for j in range(size):
+        out[j].copy_(_reduce_quantized_chunk([s[j * m:(j + 1) * m] for s in sends], chunk,
+                                             fmt, quant.DEFAULT_BLOCK_SIZE))
+
+
+def test_fabric_refuses_a_read_before_every_replica_started():
+    comms = Fabric(2).communicators()
+    pending = comms[0].all_reduce_mean_async(torch.ones(3))
+    with pytest.raises(RuntimeError, match="before replicas \\[1\\] started it"):
+        pending.wait()
+    with pytest.raises(RuntimeError, match="schedules differ"):
+        comms[1].all_gather_async(torch.ones(3))
+
+
+# ---- the stacked replicas ----------------------------------------------------------------------
+
+
+def test_stacked_step_is_each_replicas_own_step():
+    """Losses, gradients (clipped by each replica's own norm) and AdamW on the stacks equal
+    each replica's, bit for bit."""
+    args = preset("tiny", vocab_size=256, n_layers=2)
+    n = 3
+    stacked = StackedReplicas(build(args, seed=0), n)
+    singles = [build(args, seed=0) for _ in range(n)]
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 256, (n, 2, 16), generator=g), torch.randint(0, 256, (n, 2, 16),
+                                                                          generator=g)
+    opt = torch.optim.AdamW(stacked.params, lr=1e-2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in singles]
+    for _ in range(3):
+        losses = stacked.losses(x, y)
+        losses.sum().backward()
+        norms = stacked.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        for r, (m, o) in enumerate(zip(singles, opts, strict=True)):
+            loss = lm_loss(m(x[r]), y[r])
+            loss.backward()
+            assert torch.equal(norms[r], torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5))
+            o.step()
+            o.zero_grad()
+            assert float(loss) == pytest.approx(float(losses[r].detach()), abs=1e-5)
+    for r, m in enumerate(singles):
+        for (name, view), (_, p) in zip(stacked.named_views(r), m.named_parameters(),
+                                        strict=True):
+            assert torch.equal(view, p), name
+
+
+# ---- whole runs --------------------------------------------------------------------------------
+
+EQUAL = [
+    # (flags, largest weight difference allowed): bit for bit except the dense all-reduce,
+    # whose sum gloo's ring adds in another order than the fabric's rank order
+    (["--method", "diloco"], 2e-6),
+    (["--method", "noloco"], 0.0),
+    (["--method", "noloco", "--gamma", "0.5", "--quantize", "fp4", "--fragments", "2"], 0.0),
+    (["--method", "noloco", "--compress", "topk:0.1:4"], 0.0),
+    (["--method", "streaming", "--fragments", "2", "--overlap-steps", "1", "--quantize",
+      "fp4"], 0.0),
+    (["--method", "sparseloco"], 0.0),
+    (["--method", "diloco", "--compress", "topk:0.05:2"], 2e-6),
+    (["--method", "ddp"], 2e-6),
+]
+
+
+@pytest.mark.slow("a multi-process run and its simulation per method")
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("flags,tol", EQUAL, ids=[" ".join(f[1:]) for f, _ in EQUAL])
+def test_simulated_run_equals_the_distributed_run(tmp_path, corpus, flags, tol):
+    """4 replicas, 3 outer steps: the same weights (within ``tol``; 0 is bit for bit), the
+    same bytes per replica and operations."""
+    common = ["--data", str(corpus), *SMALL, "--replicas", "4", "--steps", "18",
+              "--sync-every", "6", "--eval-every", "18", *flags]
+    sim, real = tmp_path / "sim", tmp_path / "real"
+    r = cli("simulate", *common, "--out", str(sim))
+    assert r.returncode == 0, r.stderr
+    r = cli("train", *common, "--out", str(real))
+    assert r.returncode == 0, r.stderr
+    ws, wr = weights(sim), weights(real)
+    assert ws.keys() == wr.keys()
+    assert {f"replica-{i}.safetensors" for i in range(4)} <= ws.keys()
+    def worst(files):
+        return max(float((ws[f][k] - wr[f][k]).abs().max()) for f in files for k in ws[f])
+
+    assert worst([f for f in ws if f.startswith("replica-")]) <= tol
+    if "average.safetensors" in ws:  # (the distributed mean is a gloo all-reduce)
+        assert worst(["average.safetensors"]) <= 2e-6
+    s, t = summary(sim), summary(real)
+    assert s["simulated"] is True
+    assert s["bytes_sent_per_replica"] == t["bytes_sent_per_replica"]
+    assert s["ops"] == t["ops"] and s["outer_steps"] == t["outer_steps"]
+    assert s["final_val_loss"] == pytest.approx(t["final_val_loss"], abs=1e-5)
+    lines = [json.loads(x) for x in (sim / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 18]
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--stages", "2", "--method", "diloco"], "pipeline stages are not simulated"),
+    (["--inner-optimizer", "muon", "--method", "diloco"], "only AdamW is batched"),
+    (["--method", "diloco", "--elastic"], "elastic run is not simulated"),
+])
+def test_refused_in_one_line_and_nothing_written(tmp_path, flags, why):
+    out = tmp_path / "run"
+    r = cli("simulate", "--replicas", "2", *flags, "--out", str(out))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    assert not out.exists()
