@@ -181,3 +181,26 @@ def test_refused_in_one_line_and_nothing_written(tmp_path, flags, why):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_attention_folds_the_replicas_into_the_batch(monkeypatch):
+    """The model's attention goes through the folded kernel (vmap's own fallback loops over
+    the replicas, with work that grows as N²), and gives each replica its own numbers."""
+    from noloco.simulate import replicas as mod
+
+    calls = []
+    original = mod._FlatAttention.vmap
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(mod._FlatAttention, "vmap", staticmethod(counted))
+    args = preset("tiny", vocab_size=256, n_layers=2)
+    stacked = StackedReplicas(build(args, seed=0), 2)
+    x = torch.randint(0, 256, (2, 2, 8))
+    losses = stacked.losses(x, x)
+    assert len(calls) == 2  # one per block
+    alone = build(args, seed=0)
+    # (the loss's own mean may round differently batched; the gradients do not: see above)
+    assert float(losses[1]) == pytest.approx(float(lm_loss(alone(x[1]), x[1])), abs=1e-6)

@@ -25,15 +25,66 @@ import warnings
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
+from torch.overrides import TorchFunctionMode
 
 from noloco.model import lm_loss
 
-# vmap has no batching rule for CPU flash attention and falls back to a loop over the
-# replicas for that one operation: the same numbers, said once per process by torch.
+# (what vmap would say of attention without _ReplicasAsBatch: see there)
 warnings.filterwarnings("ignore", message="There is a performance drop because we have not "
                         "yet implemented the batching rule")
+
+
+class _FlatAttention(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` (causal, no mask, no dropout: the training and
+    evaluation forward) whose vmap rule folds the replica dimension into the batch dimension.
+
+    vmap has no batching rule for the CPU flash-attention kernel and falls back to a loop
+    over the replicas whose backward zero-fills a full-size gradient per replica: work that
+    grows as N², the larger part of a step beyond 64 replicas. Folded, the kernel sees one
+    batch of N·B sequences and computes each (sequence, head) as it does alone, so every
+    replica's numbers stay its own. The backward recomputes the forward (one attention
+    forward more) and differentiates the same kernel."""
+
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with torch.enable_grad():
+            qkv = [x.detach().requires_grad_() for x in ctx.saved_tensors]
+            out = F.scaled_dot_product_attention(*qkv, is_causal=True)
+            return torch.autograd.grad(out, qkv, grad)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[int | None, ...], q: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> tuple[torch.Tensor, int]:
+        n = info.batch_size
+        q, k, v = (x.movedim(d, 0) if d is not None else x.expand(n, *x.shape)
+                   for x, d in zip((q, k, v), in_dims, strict=True))
+        out = _FlatAttention.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1))
+        return out.unflatten(0, (n, q.shape[1])), 0
+
+
+class _ReplicasAsBatch(TorchFunctionMode):
+    """Inside it, the model's causal attention goes through :class:`_FlatAttention`."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (func is F.scaled_dot_product_attention and len(args) == 3
+                and kwargs.get("is_causal") and kwargs.get("attn_mask") is None
+                and not kwargs.get("dropout_p") and kwargs.get("scale") is None
+                and set(kwargs) <= {"is_causal", "attn_mask", "dropout_p", "scale"}):
+            return _FlatAttention.apply(*args)
+        return func(*args, **kwargs)
 
 
 class StackedReplicas:
@@ -67,7 +118,8 @@ class StackedReplicas:
 
     def losses(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Every replica's loss on its own batch: ``x``, ``y`` of shape (N, B, T)."""
-        return self._loss(self.as_dict(), x, y)
+        with _ReplicasAsBatch():
+            return self._loss(self.as_dict(), x, y)
 
     @torch.no_grad()
     def mean_gradients(self) -> None:
