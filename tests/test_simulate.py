@@ -204,3 +204,34 @@ def test_attention_folds_the_replicas_into_the_batch(monkeypatch):
     alone = build(args, seed=0)
     # (the loss's own mean may round differently batched; the gradients do not: see above)
     assert float(losses[1]) == pytest.approx(float(lm_loss(alone(x[1]), x[1])), abs=1e-6)
+
+
+@pytest.mark.parametrize("method,terms", [("diloco", 2 * 3), ("noloco", 1)])
+def test_modelled_wall_clock_on_a_link(tmp_path, corpus, method, terms):
+    """--bandwidth, --latency, --step-time: every step's time, plus each sync's bytes over
+    the link and its latency terms (a ring of 4: 2·3; a pair exchange: 1), in the summary and
+    in every metrics line."""
+    out = tmp_path / "run"
+    r = cli("simulate", "--data", str(corpus), *SMALL, "--method", method, "--replicas", "4",
+            "--steps", "12", "--sync-every", "6", "--eval-every", "6", "--bandwidth",
+            "10Mbit", "--latency", "40ms", "--step-time", "0.25", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    s = summary(out)
+    expected = 12 * 0.25 + s["bytes_sent"] * 8 / 10e6 + 2 * terms * 0.04
+    assert s["modelled"]["wall_seconds"] == pytest.approx(expected, rel=1e-9)
+    assert s["modelled"]["exposed_sync_seconds"] == pytest.approx(expected - 3.0, rel=1e-9)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["modelled_seconds"] for x in lines] == pytest.approx([0.0, expected / 2,
+                                                                     expected])
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--latency", "50ms"], "give --bandwidth too"),
+    (["--bandwidth", "fast"], "cannot parse bandwidth"),
+    (["--bandwidth", "1Gbit", "--step-time", "0"], "--step-time must be > 0"),
+])
+def test_bad_network_model_in_one_line(tmp_path, flags, why):
+    out = tmp_path / "run"
+    r = cli("simulate", "--replicas", "2", "--method", "diloco", *flags, "--out", str(out))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    assert not out.exists()

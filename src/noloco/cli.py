@@ -82,6 +82,14 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--config", metavar="FILE.toml",
                    help="TOML file of settings, as for train; flags override it")
+    net = p.add_argument_group("network model (a modelled wall-clock beside the measured one)")
+    net.add_argument("--bandwidth", metavar="RATE",
+                     help="each replica's link, e.g. 100Mbit, 1Gbit: metrics and the summary "
+                          "gain the wall-clock the run would take on it (netsim's model)")
+    net.add_argument("--latency", metavar="TIME", help="per message, e.g. 50ms (default 0)")
+    net.add_argument("--step-time", metavar="SECONDS", type=float,
+                     help="one replica's inner step on the modelled hardware (default: this "
+                          "process's step time divided by the replicas)")
     add_config_flags(p)
     p.set_defaults(func=simulate)
     return p
@@ -245,6 +253,7 @@ def simulate(ns: argparse.Namespace) -> int:
     from noloco.rundir import RunDir
     from noloco.simulate import Simulation, check_simulable
 
+    link = _link_model(ns)
     cfg = config_from_args(ns).resolved()
     check_simulable(cfg)
     src = cfg.data.data
@@ -253,10 +262,31 @@ def simulate(ns: argparse.Namespace) -> int:
     rundir = RunDir(cfg.train.out)
     rundir.check(overwrite=cfg.train.overwrite)
     torch.set_num_threads(cfg.train.threads or cpu_count())
-    sim = Simulation(cfg, rundir)  # reads the data: a bad corpus is refused before any write
+    sim = Simulation(cfg, rundir, link)  # reads the data: a bad corpus is refused first
     rundir.prepare(cfg, overwrite=cfg.train.overwrite)
     sim.run()
     return 0
+
+
+def _link_model(ns: argparse.Namespace) -> Any:
+    """The network a simulation models (its flags taken out of ``ns``), or None."""
+    from noloco.netsim.latency import NetsimError
+    from noloco.netsim.predict import parse_bandwidth, parse_latency
+    from noloco.simulate.link import LinkModel
+
+    bandwidth = ns.__dict__.pop("bandwidth", None)
+    latency = ns.__dict__.pop("latency", None)
+    step_time = ns.__dict__.pop("step_time", None)
+    if bandwidth is None:
+        if latency is not None or step_time is not None:
+            raise ConfigError("--latency and --step-time model a network: give --bandwidth too")
+        return None
+    if step_time is not None and not step_time > 0:
+        raise ConfigError(f"--step-time must be > 0 seconds, got {step_time}")
+    try:
+        return LinkModel(parse_bandwidth(bandwidth), parse_latency(latency or 0.0), step_time)
+    except NetsimError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _add_launcher_startup(rundir: Any, load: Any, workers: str | None) -> None:

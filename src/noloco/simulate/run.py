@@ -38,6 +38,7 @@ from noloco.metrics import Progress, mean, shared_summary
 from noloco.model import build, count_params, preset
 from noloco.rundir import RunDir
 from noloco.simulate.fabric import Fabric
+from noloco.simulate.link import LinkModel
 from noloco.simulate.replicas import StackedReplicas
 from noloco.token_cache import cached_corpus
 from noloco.train import AVERAGED_METHODS, lr_at
@@ -56,7 +57,7 @@ class _Clock:
 class Simulation:
     """A resolved config's N replicas in this process (:func:`simulate` runs it)."""
 
-    def __init__(self, cfg: Config, rundir: RunDir) -> None:
+    def __init__(self, cfg: Config, rundir: RunDir, link: LinkModel | None = None) -> None:
         m, d, o, t = cfg.method, cfg.data, cfg.optim, cfg.train
         self.cfg, self.rundir = cfg, rundir
         self.n = m.replicas
@@ -89,6 +90,10 @@ class Simulation:
         self.ddp_bucket_bytes = [sum(numels[i] for i in b) * 4 for b in bucket_layout(numels)]
         self.tokens_per_step = d.batch_size * d.seq_len * o.grad_accum
         self.clock = _Clock()
+        self.link = link
+        """the modelled network (``--bandwidth``), or None"""
+        if link is not None:
+            link.overlap_steps = m.overlap_steps if m.method in ("streaming", "noloco") else 0
         self.step = 0
         self.unread_losses: list[torch.Tensor] = []
 
@@ -161,6 +166,7 @@ class Simulation:
             "step": step, "tokens": step * self.tokens_per_step * self.n,
             "tokens_per_replica": step * self.tokens_per_step,
             "wall_seconds": self.clock.loop_s,
+            "modelled_seconds": self.link.seconds if self.link is not None else None,
         }
         self.rundir.append_metrics(rec)
         log.eval_line(rec)
@@ -174,7 +180,11 @@ class Simulation:
         t0 = time.perf_counter()
         self.evaluate(0, log)
         while self.step < t.steps:
+            s0 = time.perf_counter()
             loss = self.inner_step()
+            if self.link is not None:
+                self.link.step(self.comms, list(range(self.n)),
+                               (time.perf_counter() - s0) / self.n)
             self.unread_losses.append(loss)
             log.step(self.step, loss.mean(), self.tokens_per_step * self.n)
             self.clock.loop_s = time.perf_counter() - t0
@@ -217,6 +227,7 @@ class Simulation:
         })
         if first is not None:
             out.update(first.settings())
+        out["modelled"] = self.link.report() if self.link is not None else None
         return out
 
     @torch.no_grad()
