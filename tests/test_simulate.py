@@ -235,3 +235,28 @@ def test_bad_network_model_in_one_line(tmp_path, flags, why):
     r = cli("simulate", "--replicas", "2", "--method", "diloco", *flags, "--out", str(out))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_too_many_replicas_are_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    r = cli("simulate", "--method", "noloco", "--preset", "small", "--replicas", "4096",
+            "--out", str(out))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "4096 replicas need about" in r.stderr and "fit" in r.stderr
+    assert not out.exists()
+
+
+def test_the_plan_is_said_before_the_run(tmp_path, corpus):
+    r = cli("simulate", "--data", str(corpus), *SMALL, "--method", "diloco", "--replicas",
+            "3", "--steps", "2", "--eval-every", "2", "--out", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("noloco simulate: 3 replicas in one process on cpu: about")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_device_cuda_without_a_gpu(tmp_path):
+    r = cli("simulate", "--replicas", "2", "--method", "diloco", "--device", "cuda", "--out",
+            str(tmp_path / "r"))
+    assert r.returncode == 2 and "no GPU is visible" in r.stderr
+    assert not (tmp_path / "r").exists()

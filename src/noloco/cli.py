@@ -249,20 +249,26 @@ def simulate(ns: argparse.Namespace) -> int:
     """``noloco simulate``: the replicas of a run in this process (:mod:`noloco.simulate`)."""
     import torch
 
-    from noloco.data import cpu_count
+    from noloco import distributed
+    from noloco.data import cpu_count, make_tokenizer
     from noloco.rundir import RunDir
     from noloco.simulate import Simulation, check_simulable
+    from noloco.simulate.run import memory_plan
 
     link = _link_model(ns)
     cfg = config_from_args(ns).resolved()
     check_simulable(cfg)
+    distributed.check_device(cfg.train.device, 1)
+    device = torch.device("cuda" if distributed.uses_cuda(cfg.train.device) else "cpu")
+    _, _, line = memory_plan(cfg, make_tokenizer(cfg.data.tokenizer).vocab_size, device)
     src = cfg.data.data
     if src != "builtin" and not src.startswith("hf:") and not Path(src).exists():
         raise DataError(f"data path not found: {src}")
     rundir = RunDir(cfg.train.out)
     rundir.check(overwrite=cfg.train.overwrite)
     torch.set_num_threads(cfg.train.threads or cpu_count())
-    sim = Simulation(cfg, rundir, link)  # reads the data: a bad corpus is refused first
+    print(line, file=sys.stderr, flush=True)
+    sim = Simulation(cfg, rundir, link, device)  # reads the data: a bad corpus is refused first
     rundir.prepare(cfg, overwrite=cfg.train.overwrite)
     sim.run()
     return 0

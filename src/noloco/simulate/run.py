@@ -43,6 +43,9 @@ from noloco.simulate.replicas import StackedReplicas
 from noloco.token_cache import cached_corpus
 from noloco.train import AVERAGED_METHODS, lr_at
 
+ACTIVATIONS_BATCHED = 1.3
+"""the batched forward's activations per replica against :mod:`noloco.footprint`'s estimate
+for a lone replica (:func:`memory_plan`)"""
 SAVED_REPLICAS = 64
 """model/ holds every replica's weights up to this many replicas (then replica 0's and the
 mean only: a study of a thousand replicas wants its curves, not a thousand files)"""
@@ -57,21 +60,24 @@ class _Clock:
 class Simulation:
     """A resolved config's N replicas in this process (:func:`simulate` runs it)."""
 
-    def __init__(self, cfg: Config, rundir: RunDir, link: LinkModel | None = None) -> None:
+    def __init__(self, cfg: Config, rundir: RunDir, link: LinkModel | None = None,
+                 device: torch.device | None = None) -> None:
         m, d, o, t = cfg.method, cfg.data, cfg.optim, cfg.train
         self.cfg, self.rundir = cfg, rundir
         self.n = m.replicas
+        self.device = device or torch.device("cpu")
         tokenizer = data_mod.make_tokenizer(d.tokenizer)
         corpus, _ = cached_corpus(d.data, tokenizer, d.seq_len, d.max_tokens,
                                   allow_binary=d.allow_binary)
         self.readers = [data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, r,
                                                self.n, seed=t.seed) for r in range(self.n)]
-        self.val = data_mod.validation_batches(corpus.val, d.seq_len, t.eval_sequences,
-                                               d.batch_size)
+        self.val = [(x.to(self.device), y.to(self.device)) for x, y in
+                    data_mod.validation_batches(corpus.val, d.seq_len, t.eval_sequences,
+                                                d.batch_size)]
         self.tokenizer_name = tokenizer.name
         self.args = preset(cfg.model.preset, vocab_size=tokenizer.vocab_size,
                            dropout=cfg.model.dropout)
-        model = build(self.args, seed=t.seed)
+        model = build(self.args, device=self.device, seed=t.seed)
         self.n_params = count_params(model)
         self.n_layers = self.args.n_layers
         self.replicas = StackedReplicas(model, self.n)
@@ -104,11 +110,11 @@ class Simulation:
         for g in self.inner.param_groups:
             g["lr"] = lr_at(self.step, o.lr, o.warmup, o.schedule_steps)
         k = o.grad_accum
-        total = torch.zeros(self.n)
+        total = torch.zeros(self.n, device=self.device)
         for _ in range(k):
             batches = [reader.next_batch() for reader in self.readers]
-            x = torch.stack([b[0] for b in batches])
-            y = torch.stack([b[1] for b in batches])
+            x = torch.stack([b[0] for b in batches]).to(self.device)
+            y = torch.stack([b[1] for b in batches]).to(self.device)
             losses = self.replicas.losses(x, y)
             (losses.sum() * (1.0 / k) if k > 1 else losses.sum()).backward()
             total += losses.detach()
@@ -153,7 +159,7 @@ class Simulation:
     def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
         e0 = time.perf_counter()
         val = self.replicas.eval_losses(self.val)
-        train = (torch.stack(self.unread_losses).mean(0).tolist() if self.unread_losses
+        train = (torch.stack(self.unread_losses).mean(0).cpu().tolist() if self.unread_losses
                  else [float("nan")] * self.n)
         self.unread_losses.clear()
         sent = [c.bytes_sent for c in self.comms]
@@ -240,12 +246,12 @@ class Simulation:
         names = []
         for r in saved:
             ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name(f"replica-{r}", 0, 1),
-                                  {n: v.detach().clone() for n, v in
+                                  {n: v.detach().cpu().clone() for n, v in
                                    self.replicas.named_views(r)}, meta)
             names.append(f"replica-{r}")
         if self.n > 1 and cfg.method.method in AVERAGED_METHODS:
             ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name("average", 0, 1),
-                                  {n: p.detach().mean(0) for n, p in
+                                  {n: p.detach().mean(0).cpu() for n, p in
                                    zip(self.replicas.names, self.replicas.params, strict=True)},
                                   meta)
             names.append("average")
@@ -273,8 +279,58 @@ def check_simulable(cfg: Config) -> None:
         (t.coordinator is not None or t.replica_ids is not None,
          "--coordinator/--replica-ids: a simulation runs every replica here"),
         (t.tensorboard or t.wandb, "--tensorboard/--wandb are not simulated"),
-        (t.device == "cuda", "--device cuda is not simulated yet"),
     ]
     for refused, why in refusals:
         if refused:
             raise ConfigError(f"noloco simulate: {why}")
+
+
+def memory_plan(cfg: Config, vocab_size: int, device: torch.device) -> tuple[int, int, str]:
+    """(bytes per replica, bytes available, the line that says so) before the run starts:
+    :func:`noloco.footprint.estimate` for one replica (weights, gradients, the inner
+    optimizer, the method's state and buffers, the activations of its batch), times N.
+    Available: the GPU's memory, or the machine's MemAvailable. ConfigError when N replicas
+    cannot fit."""
+    from noloco import footprint
+
+    shape = footprint.model_shape(cfg, vocab_size)
+    assert shape is not None  # (--hf-model is refused before)
+    fp = footprint.estimate(cfg, *shape)
+    fp.overhead = 0
+    # The batched forward keeps more per replica than a lone one (the copies that fold the
+    # replicas into attention's batch and back): measured 1.26x the estimate's activations,
+    # 16 tiny replicas at batch 4 and 16 (peak RSS, less the bare process's).
+    fp.activations = int(fp.activations * ACTIVATIONS_BATCHED)
+    per = fp.total
+    if device.type == "cuda":
+        free = torch.cuda.get_device_properties(device).total_memory - footprint.CUDA_OVERHEAD
+        where = torch.cuda.get_device_name(device)
+    else:
+        free, where = available_memory(), "this machine"
+    need = per * cfg.method.replicas
+    parts = ", ".join(f"{name} {getattr(fp, name) / 2**20:.1f}" for name in
+                      ("weights", "gradients", "optimizer", "outer", "activations"))
+    line = (f"noloco simulate: {cfg.method.replicas} replicas in one process on "
+            f"{device.type}: about {need / footprint.GIB:.2f} GiB "
+            f"({per / 2**20:.1f} MiB each: {parts} MiB) of {free / footprint.GIB:.1f} "
+            f"GiB available")
+    if need > free:
+        raise ConfigError(
+            f"noloco simulate: {cfg.method.replicas} replicas need about "
+            f"{need / footprint.GIB:.1f} GiB ({per / 2**20:.1f} MiB each), {where} has "
+            f"{free / footprint.GIB:.1f} GiB available: at most {max(free // per, 0)} fit "
+            f"(or a smaller --batch-size or --seq-len)")
+    return per, free, line
+
+
+def available_memory() -> int:
+    """The machine's MemAvailable (bytes): what a process may take without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
