@@ -22,7 +22,7 @@ FLOORS: list[set[str]] = [
     # 3 one worker's training, and the models of runs
     {"train", "metrics", "netsim", "netsim.blocking", "netsim.churn", "netsim.latency",
      "netsim.predict", "netsim.utilisation", "simulate", "simulate.fabric",
-     "simulate.replicas", "simulate.run", "simulate.link"},
+     "simulate.replicas", "simulate.run", "simulate.link", "simulate.churn"},
     # 4 what an elastic run adds to the trainer (a component it is handed)
     {"elastic.files", "elastic.join", "elastic.worker"},
     # 5 a worker process from start to exit code

@@ -260,3 +260,112 @@ def test_device_cuda_without_a_gpu(tmp_path):
             str(tmp_path / "r"))
     assert r.returncode == 2 and "no GPU is visible" in r.stderr
     assert not (tmp_path / "r").exists()
+
+
+# ---- churn -------------------------------------------------------------------------------------
+
+
+def test_fabric_leaves_a_leaver_out():
+    fabric = Fabric(3)
+    fabric.elastic = True
+    comms = fabric.communicators()
+    fabric.leave(1)
+    assert comms[0].members() == [0, 2]
+    xs = {r: torch.full((4,), float(r)) for r in (0, 2)}
+    pend = [comms[r].all_reduce_mean_async(xs[r]) for r in (0, 2)]
+    for p in pend:
+        p.wait()
+    assert torch.equal(xs[0], torch.full((4,), 1.0)) and torch.equal(xs[2], xs[0])
+    assert comms[0].bytes_sent == 2 * 1 * 16 // 2  # a ring of the 2 in the run
+    got = [comms[r].all_gather_async(torch.tensor([float(r)])) for r in (0, 2)]
+    assert [None if t is None else float(t) for t in got[0].wait()] == [0.0, None, 2.0]
+    assert comms[2].bytes_sent - comms[0].bytes_sent == 0
+    fabric.join(1)
+    comms[1].seq = comms[0].seq
+    assert comms[1].members() == [0, 1, 2]
+
+
+def _simulation(tmp_path, corpus, *flags):
+    from noloco.cli import build_parser, config_from_args
+    from noloco.rundir import RunDir
+    from noloco.simulate import Simulation
+
+    ns = build_parser().parse_args(["simulate", "--data", str(corpus), *SMALL, *flags,
+                                    "--out", str(tmp_path / "run")])
+    cfg = config_from_args(ns).resolved()
+    rundir = RunDir(cfg.train.out)
+    rundir.prepare(cfg, overwrite=False)
+    return Simulation(cfg, rundir)
+
+
+def test_a_joiner_takes_its_donors_state(tmp_path, corpus):
+    """A replica that left misses the outer steps of its time away; joining, it takes the
+    donor's weights, slow weights, outer momentum and operation count, owes no error
+    feedback and restarts its moments; after the next outer step it holds what the others
+    hold (DiLoCo: every replica in the run steps to the same φ)."""
+    sim = _simulation(tmp_path, corpus, "--method", "diloco", "--replicas", "3",
+                      "--sync-every", "2", "--steps", "8", "--compress", "topk:0.2:4")
+    for _ in range(2):
+        sim.inner_step()
+    sim.fabric.leave(2)
+    for _ in range(2):
+        sim.inner_step()
+    assert sim.methods[2].outer_steps == 1 and sim.methods[0].outer_steps == 2
+    assert sim.comms[2].seq < sim.comms[0].seq
+    sim.join(2, donor=0)
+    views = [dict(sim.replicas.named_views(r)) for r in range(3)]
+    assert all(torch.equal(views[2][k], views[0][k]) for k in views[0])
+    m0, m2 = sim.methods[0], sim.methods[2]
+    assert torch.equal(m2.frags[0].flat_phi, m0.frags[0].flat_phi)
+    assert torch.equal(m2.outer_momentum()[0], m0.outer_momentum()[0])
+    # a copy, as received over a network: not the donor's own buffer
+    assert m2.outer_momentum()[0].data_ptr() != m0.outer_momentum()[0].data_ptr()
+    assert m2.outer_steps == 2 and sim.comms[2].seq == sim.comms[0].seq
+    assert all(float(e.abs().sum()) == 0 for e in m2.errors)
+    assert any(float(e.abs().sum()) > 0 for e in m0.errors)
+    for state in sim.inner.state.values():
+        assert float(state["exp_avg"][2].abs().sum()) == 0
+    for _ in range(2):
+        sim.inner_step()
+    assert torch.equal(m2.frags[0].flat_phi, m0.frags[0].flat_phi)
+    assert sim.methods[1].outer_steps == 3
+
+
+def test_churned_run(tmp_path, corpus):
+    """--churn: replicas leave and join at outer steps, reproducibly; the summary lists the
+    events and the replicas in the run at its end."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        r = cli("simulate", "--data", str(corpus), *SMALL, "--method", "noloco",
+                "--replicas", "6", "--sync-every", "2", "--steps", "12", "--eval-every", "4",
+                "--churn", "0.4", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        runs.append(summary(out))
+    a, b = runs
+    assert a["churn"]["events"] == b["churn"]["events"] and a["churn"]["left"] > 0
+    assert a["final_val_loss"] == b["final_val_loss"]
+    kinds = {e["kind"] for e in a["churn"]["events"]}
+    assert kinds == {"left", "joined"}
+    away = set()
+    for e in a["churn"]["events"]:
+        assert e["step"] % 2 == 0
+        if e["kind"] == "left":
+            away.add(e["replica"])
+        else:
+            assert e["replica"] in away and e["donor"] not in away
+            away.discard(e["replica"])
+    assert set(a["final_val_loss_per_replica"]) == {str(r) for r in range(6) if r not in away}
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--method", "diloco", "--churn", "1.0"], "--churn must lie in [0, 1)"),
+    (["--method", "diloco", "--churn", "-0.1"], "--churn must lie in [0, 1)"),
+    (["--method", "ddp", "--churn", "0.1"], "does not take"),
+    (["--method", "diloco", "--churn-away", "2"], "--churn-away needs --churn"),
+])
+def test_bad_churn_in_one_line(tmp_path, flags, why):
+    out = tmp_path / "run"
+    r = cli("simulate", "--replicas", "2", *flags, "--out", str(out))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
+    assert not out.exists()

@@ -90,6 +90,13 @@ def _simulate_parser(sub: Any) -> argparse.ArgumentParser:
     net.add_argument("--step-time", metavar="SECONDS", type=float,
                      help="one replica's inner step on the modelled hardware (default: this "
                           "process's step time divided by the replicas)")
+    ch = p.add_argument_group("churn (replicas leaving and joining, as in an elastic run)")
+    ch.add_argument("--churn", metavar="RATE", type=float,
+                    help="the probability that a replica leaves during one outer step, in "
+                         "[0, 1) (default 0: nobody leaves)")
+    ch.add_argument("--churn-away", metavar="K", type=int,
+                    help="outer steps a replica that left stays away before it joins from a "
+                         "donor (default 1)")
     add_config_flags(p)
     p.set_defaults(func=simulate)
     return p
@@ -256,8 +263,10 @@ def simulate(ns: argparse.Namespace) -> int:
     from noloco.simulate.run import memory_plan
 
     link = _link_model(ns)
+    rate, away = ns.__dict__.pop("churn", None), ns.__dict__.pop("churn_away", None)
     cfg = config_from_args(ns).resolved()
     check_simulable(cfg)
+    churn = _churn(cfg, rate, away)
     distributed.check_device(cfg.train.device, 1)
     device = torch.device("cuda" if distributed.uses_cuda(cfg.train.device) else "cpu")
     _, _, line = memory_plan(cfg, make_tokenizer(cfg.data.tokenizer).vocab_size, device)
@@ -268,10 +277,29 @@ def simulate(ns: argparse.Namespace) -> int:
     rundir.check(overwrite=cfg.train.overwrite)
     torch.set_num_threads(cfg.train.threads or cpu_count())
     print(line, file=sys.stderr, flush=True)
-    sim = Simulation(cfg, rundir, link, device)  # reads the data: a bad corpus is refused first
+    sim = Simulation(cfg, rundir, link, device, churn)  # reads the data: refused first
     rundir.prepare(cfg, overwrite=cfg.train.overwrite)
     sim.run()
     return 0
+
+
+def _churn(cfg: Any, rate: float | None, away: int | None) -> Any:
+    """The churn a simulation runs with (``--churn``, ``--churn-away``), or None."""
+    from noloco.simulate.churn import Churn
+
+    if not rate:
+        if away is not None:
+            raise ConfigError("--churn-away needs --churn RATE")
+        if rate is not None and rate < 0:
+            raise ConfigError(f"--churn must lie in [0, 1), got {rate:g}")
+        return None
+    if cfg.method.sync_every is None:
+        raise ConfigError(f"--churn: replicas leave and join at outer steps, which --method "
+                          f"{cfg.method.method} does not take")
+    try:
+        return Churn(rate, 1 if away is None else away, cfg.train.seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _link_model(ns: argparse.Namespace) -> Any:

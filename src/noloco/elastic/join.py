@@ -36,6 +36,7 @@ from noloco.elastic.membership import Membership, await_value, live_replicas, pr
 from noloco.errors import StoreLost, Superseded
 from noloco.guard import all_finite
 from noloco.integrity import TAG_BYTES, chunk_bounds
+from noloco.methods.base import shared_state
 from noloco.train import Trainer, weights_checksum
 
 STATE_SLACK = 64 << 20
@@ -60,18 +61,6 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, list | tuple):
         return [t for x in obj for t in tensors_of(x)]
     return []
-
-
-def shared_state(method: dict[str, Any]) -> dict[str, Any]:
-    """The method state a joiner takes from its donor: all of it but the error feedback of a
-    sparse exchange — what the donor has not sent yet is its own to send, never its
-    joiner's (a joiner starts owing nothing). Saves the bytes of one model, too."""
-    extra = method.get("extra") or {}
-    if "errors" not in extra:
-        return method
-    # (the record of the messages it left out of means stays each replica's own, too)
-    return {**method, "extra": {k: v for k, v in extra.items()
-                                if k not in ("errors", "dropped")}}
 
 
 def join_streams(own: dict[str, Any] | None, seed: int, rank: int, step: int) -> None:

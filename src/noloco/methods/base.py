@@ -35,6 +35,19 @@ def parameters_of(model: nn.Module | Iterable[torch.Tensor]) -> list[torch.Tenso
     return params
 
 
+def shared_state(method: dict[str, Any]) -> dict[str, Any]:
+    """The part of a method's state (:meth:`Method.state_dict`) a joining replica takes from
+    its donor: all of it but the error feedback of a sparse exchange — what the donor has not
+    sent yet is its own to send, never its joiner's (a joiner starts owing nothing). Saves the
+    bytes of one model, too."""
+    extra = method.get("extra") or {}
+    if "errors" not in extra:
+        return method
+    # (the record of the messages it left out of means stays each replica's own, too)
+    return {**method, "extra": {k: v for k, v in extra.items()
+                                if k not in ("errors", "dropped")}}
+
+
 class Method:
     """Base class: no communication at all (the ``single`` method, or independent replicas)."""
 

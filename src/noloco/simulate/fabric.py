@@ -45,12 +45,15 @@ from noloco.comm import (
 
 
 class _Op:
-    """One operation: what each replica posted, and its result once computed."""
+    """One operation: its members (the replicas in the run when it started), what each
+    posted, and its result once computed."""
 
-    def __init__(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 members: list[int]) -> None:
         self.kind, self.shape, self.dtype = kind, shape, dtype
+        self.members = members
         self.posts: dict[int, torch.Tensor] = {}
-        self.reads = 0
+        self.unread = set(members)
         self._result: Any = None
         self._done = False
 
@@ -68,6 +71,23 @@ class Fabric:
             raise ValueError(f"a fabric needs at least one replica, got {size}")
         self.size = size
         self._ops: dict[int, _Op] = {}
+        self.live = list(range(size))
+        """the replicas in the run now, in rank order (churn: :meth:`leave`, :meth:`join`)"""
+        self.elastic = False
+        """whether members come and go: the communicators say who takes part (members())"""
+
+    def leave(self, rank: int) -> None:
+        """``rank`` leaves the run: later operations go on without it; what it posted before
+        counts, and what it has not read yet nobody waits for."""
+        self.live.remove(rank)
+        for seq, op in list(self._ops.items()):
+            op.unread.discard(rank)
+            if not op.unread and len(op.posts) == len(op.members):
+                del self._ops[seq]
+
+    def join(self, rank: int) -> None:
+        """``rank`` is in the run again, from the next operation on."""
+        self.live = sorted({*self.live, rank})
 
     def communicators(self) -> list[SimulatedCommunicator]:
         return [SimulatedCommunicator(self, r) for r in range(self.size)]
@@ -79,7 +99,7 @@ class Fabric:
     def post(self, seq: int, rank: int, kind: str, tensor: torch.Tensor) -> _Op:
         op = self._ops.get(seq)
         if op is None:
-            op = self._ops[seq] = _Op(kind, tuple(tensor.shape), tensor.dtype)
+            op = self._ops[seq] = _Op(kind, tuple(tensor.shape), tensor.dtype, list(self.live))
         elif (op.kind, op.shape, op.dtype) != (kind, tuple(tensor.shape), tensor.dtype):
             raise RuntimeError(
                 f"replica {rank} posted {kind} {tuple(tensor.shape)} {tensor.dtype} as "
@@ -92,14 +112,14 @@ class Fabric:
              ) -> Any:
         """The result of operation ``seq`` for ``rank``; the operation is forgotten once
         every replica has read it."""
-        if len(op.posts) < self.size:
-            missing = sorted(set(range(self.size)) - set(op.posts))
+        missing = [r for r in op.members if r not in op.posts and r in self.live]
+        if missing:
             raise RuntimeError(f"replica {rank} waited for {op.kind} (operation {seq}) before "
                                f"replicas {missing} started it: the driver must start every "
                                f"replica's operations before it completes any")
-        out = op.result(lambda: compute([op.posts[r] for r in range(self.size)]))
-        op.reads += 1
-        if op.reads == self.size:
+        out = op.result(lambda: compute({r: op.posts[r] for r in op.members if r in op.posts}))
+        op.unread.discard(rank)
+        if not op.unread:
             del self._ops[seq]
         return out
 
@@ -112,17 +132,35 @@ class SimulatedCommunicator(Communicator):
         self.fabric, self.rank, self.size = fabric, rank, fabric.size
         self._seq = 0
 
+    def members(self) -> list[int] | None:
+        """None while every replica is always in (a static run); with churn, the replicas in
+        the run now (as an elastic run's snapshot)."""
+        return list(self.fabric.live) if self.fabric.elastic else None
+
+    @property
+    def seq(self) -> int:
+        """operations started so far (a joining replica takes its donor's)"""
+        return self._seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self._seq = value
+
     def _start(self, kind: str, tensor: torch.Tensor,
-               compute: Callable[[list[torch.Tensor]], Any],
+               compute: Callable[[dict[int, torch.Tensor]], Any],
                finish: Callable[[Any], Any]) -> Pending:
         self.ops[kind] += 1
         seq, self._seq = self._seq, self._seq + 1
         op = self.fabric.post(seq, self.rank, kind, tensor)
         return Pending(self, [], lambda: finish(self.fabric.read(seq, self.rank, op, compute)))
 
+    def _taking_part(self) -> int:
+        """How many replicas the operation about to start has."""
+        return len(self.fabric.live)
+
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
         self.bytes_sent += ring_all_reduce_bytes(tensor.numel() * tensor.element_size(),
-                                                 self.size)
+                                                 self._taking_part())
         return self._start("all_reduce", tensor, _mean, tensor.copy_)
 
     def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
@@ -130,20 +168,28 @@ class SimulatedCommunicator(Communicator):
         if fmt == "none":
             return self.all_reduce_mean_async(tensor)
         _check_quantizable(tensor, fmt, block_size)
+        k = self._taking_part()
         if self.size == 1:  # the mean of one is itself (TorchCommunicator does the same)
             self.ops["all_reduce_quantized"] += 1
             return Pending(self, [])
         n = tensor.numel()
-        send = quantized_messages(tensor, self.size, fmt, block_size)
-        self.bytes_sent += quantized_all_reduce_bytes(n, self.size, fmt, block_size)
+        send = quantized_messages(tensor, k, fmt, block_size)
+        self.bytes_sent += quantized_all_reduce_bytes(n, k, fmt, block_size)
         return self._start("all_reduce_quantized", send,
-                           lambda sends: quantized_mean_of(sends, n, fmt, block_size),
+                           lambda sends: quantized_mean_of(list(sends.values()), n, fmt,
+                                                           block_size),
                            tensor.copy_)
 
     def all_gather_async(self, tensor: torch.Tensor) -> Pending:
-        self.bytes_sent += (self.size - 1) * tensor.numel() * tensor.element_size()
-        # every replica reads the same list: the messages are read, never changed
-        return self._start("all_gather", tensor.contiguous(), list, lambda got: got)
+        self.bytes_sent += (self._taking_part() - 1) * tensor.numel() * tensor.element_size()
+        size = self.size
+
+        def gathered(sends: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+            # by replica, None for one not in the operation (as an elastic all-gather);
+            # every replica reads the same list: the messages are read, never changed
+            return [sends.get(r) for r in range(size)]
+
+        return self._start("all_gather", tensor.contiguous(), gathered, lambda got: got)
 
     def exchange_async(self, tensor: torch.Tensor, peers: Sequence[int],
                        out: Sequence[torch.Tensor] | None = None) -> Pending:
@@ -158,17 +204,18 @@ class SimulatedCommunicator(Communicator):
         self.bytes_sent += len(peers) * tensor.numel() * tensor.element_size()
         peers = list(peers)
 
-        def finish(everyone: list[torch.Tensor]) -> list[torch.Tensor]:
+        def finish(everyone: dict[int, torch.Tensor]) -> list[torch.Tensor]:
             for peer, buf in zip(peers, bufs, strict=True):
                 buf.copy_(everyone[peer])
             return bufs
 
-        return self._start("exchange", tensor, list, finish)
+        return self._start("exchange", tensor, dict, finish)
 
 
-def _mean(posts: list[torch.Tensor]) -> torch.Tensor:
-    """Σ in rank order, then ÷ N: one buffer, whatever N."""
-    total = posts[0].clone()
-    for x in posts[1:]:
+def _mean(posts: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Σ in rank order, then ÷ the replicas taking part: one buffer, whatever N."""
+    xs = [posts[r] for r in sorted(posts)]
+    total = xs[0].clone()
+    for x in xs[1:]:
         total += x
-    return total.div_(len(posts))
+    return total.div_(len(xs))

@@ -161,17 +161,19 @@ class StackedReplicas:
         return [v / count for v in totals]
 
     @torch.no_grad()
-    def weight_spread(self) -> float:
+    def weight_spread(self, rows: list[int] | None = None) -> float:
         """sqrt( Σ (p − mean over replicas)² / (#params · N) ), as
-        :func:`noloco.metrics.weight_spread` reports it for a distributed run."""
-        if self.n == 1:
+        :func:`noloco.metrics.weight_spread` reports it for a distributed run; over
+        ``rows`` only when given (the replicas in the run)."""
+        n = self.n if rows is None else len(rows)
+        if n <= 1:
             return 0.0
         total, count = 0.0, 0
         for p in self.params:
-            x = p.detach().double()
+            x = p.detach().double() if rows is None else p.detach()[rows].double()
             total += float(((x - x.mean(0, keepdim=True)) ** 2).sum())
             count += p[0].numel()
-        return (total / (count * self.n)) ** 0.5
+        return (total / (count * n)) ** 0.5
 
     def state_numel(self) -> dict[str, Any]:
         return {"per_replica": sum(p[0].numel() for p in self.params)}

@@ -20,6 +20,7 @@ Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 
 from __future__ import annotations
 
+import copy
 import sys
 import time
 from dataclasses import dataclass
@@ -32,11 +33,12 @@ from noloco import data as data_mod
 from noloco.comm import ring_all_reduce_bytes
 from noloco.config import Config, ConfigError
 from noloco.methods import build_method
-from noloco.methods.base import Method
+from noloco.methods.base import Method, shared_state
 from noloco.methods.ddp import bucket_layout
 from noloco.metrics import Progress, mean, shared_summary
 from noloco.model import build, count_params, preset
 from noloco.rundir import RunDir
+from noloco.simulate.churn import Churn
 from noloco.simulate.fabric import Fabric
 from noloco.simulate.link import LinkModel
 from noloco.simulate.replicas import StackedReplicas
@@ -61,7 +63,7 @@ class Simulation:
     """A resolved config's N replicas in this process (:func:`simulate` runs it)."""
 
     def __init__(self, cfg: Config, rundir: RunDir, link: LinkModel | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, churn: Churn | None = None) -> None:
         m, d, o, t = cfg.method, cfg.data, cfg.optim, cfg.train
         self.cfg, self.rundir = cfg, rundir
         self.n = m.replicas
@@ -84,6 +86,9 @@ class Simulation:
         self.inner = torch.optim.AdamW(self.replicas.params, lr=o.lr, betas=(o.beta1, o.beta2),
                                        weight_decay=o.weight_decay)
         self.fabric = Fabric(self.n)
+        self.churn = churn
+        """replicas leaving and joining (``--churn``), or None"""
+        self.fabric.elastic = churn is not None
         self.comms = self.fabric.communicators()
         self.ddp = m.method == "ddp"
         self.methods: list[Method] = []
@@ -111,8 +116,12 @@ class Simulation:
             g["lr"] = lr_at(self.step, o.lr, o.warmup, o.schedule_steps)
         k = o.grad_accum
         total = torch.zeros(self.n, device=self.device)
+        live = self.fabric.live
         for _ in range(k):
-            batches = [reader.next_batch() for reader in self.readers]
+            # (a replica away reads nothing: its rows compute on zeros, and are replaced
+            # when it joins)
+            batches = [self.readers[r].next_batch() if r in live else self._idle()
+                       for r in range(self.n)]
             x = torch.stack([b[0] for b in batches]).to(self.device)
             y = torch.stack([b[1] for b in batches]).to(self.device)
             losses = self.replicas.losses(x, y)
@@ -130,16 +139,65 @@ class Simulation:
         self.inner.zero_grad(set_to_none=True)
         self.step += 1
         # every replica starts what starts now before any applies what is due now
-        for method in self.methods:
-            method.start_outer()
-        for method in self.methods:
-            method.complete_outer()
-        for r, method in enumerate(self.methods):
-            guard = method.guard
+        running = [r for r in live if self.methods]  # (DDP has no outer steps)
+        for r in running:
+            self.methods[r].start_outer()
+        for r in running:
+            self.methods[r].complete_outer()
+        for r in running:
+            guard = self.methods[r].guard
             if guard is not None and guard.restart_inner:
                 self.restart_inner(r)
                 guard.restart_inner = False
         return total / k
+
+    def _idle(self) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.data
+        z = torch.zeros(d.batch_size, d.seq_len, dtype=torch.long)
+        return z, z
+
+    # ---- churn -------------------------------------------------------------------------------
+    def churn_step(self) -> None:
+        """At an outer-step boundary: the replicas whose time away is over join, then each
+        replica in the run may leave (:mod:`noloco.simulate.churn`)."""
+        churn, step = self.churn, self.step
+        assert churn is not None and self.cfg.method.sync_every is not None
+        if step % self.cfg.method.sync_every or step >= self.cfg.train.steps:
+            return
+        for r in churn.joining(step):
+            donor = self.fabric.live[0]
+            self.join(r, donor)
+            churn.record(step, r, "joined", donor)
+        for r in churn.leaving(step, list(self.fabric.live), self.cfg.method.sync_every):
+            self.fabric.leave(r)
+            churn.record(step, r, "left")
+
+    @torch.no_grad()
+    def join(self, replica: int, donor: int) -> None:
+        """``replica`` takes ``donor``'s state as an elastic join does (the module docstring
+        of :mod:`noloco.simulate.churn`)."""
+        for p in self.replicas.params:
+            p[replica].copy_(p[donor])
+        mine, theirs = self.methods[replica], self.methods[donor]
+        guard = mine.guard
+        judged = (list(guard.rejected), guard.checked) if guard is not None else None
+        # A copy, as a join over a network receives: state_dict holds the donor's live
+        # tensors, and an optimizer's load_state_dict keeps a tensor of the right device and
+        # dtype as it is — the two replicas' outer momentum would be one buffer.
+        mine.load_state_dict(copy.deepcopy(shared_state(theirs.state_dict())))
+        for e in mine.errors:
+            e.zero_()  # the donor's debt is not this replica's
+        if guard is not None and judged is not None:
+            guard.rejected, guard.checked = judged
+        self.comms[replica].seq = self.comms[donor].seq
+        self._zero_moments(replica)
+        self.fabric.join(replica)
+
+    def _zero_moments(self, replica: int) -> None:
+        for state in self.inner.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state:
+                    state[key][replica].zero_()
 
     @torch.no_grad()
     def restart_inner(self, replica: int) -> None:
@@ -147,10 +205,7 @@ class Simulation:
         (its method did that), and its inner optimizer's moments start afresh. One
         difference from a distributed replica, which also restarts its AdamW step count:
         the stacks share one count, so its bias correction does not restart."""
-        for state in self.inner.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state:
-                    state[key][replica].zero_()
+        self._zero_moments(replica)
         print(f"noloco: replica {replica}: its own update was rejected at step {self.step}; "
               f"it took the synced weights and restarted its inner optimizer's moments",
               file=sys.stderr, flush=True)
@@ -158,17 +213,21 @@ class Simulation:
     # ---- evaluation --------------------------------------------------------------------------
     def evaluate(self, step: int, log: Progress) -> dict[str, Any]:
         e0 = time.perf_counter()
-        val = self.replicas.eval_losses(self.val)
+        live = self.fabric.live
+        val = [v if r in live else None
+               for r, v in enumerate(self.replicas.eval_losses(self.val))]
         train = (torch.stack(self.unread_losses).mean(0).cpu().tolist() if self.unread_losses
                  else [float("nan")] * self.n)
         self.unread_losses.clear()
         sent = [c.bytes_sent for c in self.comms]
         rec = {
-            "train_loss": mean(train), "val_loss": mean(val), "val_loss_per_replica": val,
+            "train_loss": mean([train[r] for r in live]),
+            "val_loss": mean([val[r] for r in live]), "val_loss_per_replica": val,
             "bytes_sent": mean(sent), "bytes_sent_per_replica": mean(sent),
             "bytes_sent_by_replica": sent, "activation_bytes": 0.0,
             "sync_seconds": 0.0, "sync_seconds_by_replica": [0.0] * self.n,
-            "weight_spread": self.replicas.weight_spread(),
+            "weight_spread": self.replicas.weight_spread(live),
+            "replicas_in_run": len(live),
             "step": step, "tokens": step * self.tokens_per_step * self.n,
             "tokens_per_replica": step * self.tokens_per_step,
             "wall_seconds": self.clock.loop_s,
@@ -189,15 +248,17 @@ class Simulation:
             s0 = time.perf_counter()
             loss = self.inner_step()
             if self.link is not None:
-                self.link.step(self.comms, list(range(self.n)),
+                self.link.step(self.comms, self.fabric.live,
                                (time.perf_counter() - s0) / self.n)
+            if self.churn is not None:
+                self.churn_step()
             self.unread_losses.append(loss)
             log.step(self.step, loss.mean(), self.tokens_per_step * self.n)
             self.clock.loop_s = time.perf_counter() - t0
             if self.step % t.eval_every == 0 and self.step != t.steps:
                 self.evaluate(self.step, log)
-        for method in self.methods:
-            method.finish()  # the syncs still in flight (their parts were all posted)
+        for r in self.fabric.live if self.methods else []:
+            self.methods[r].finish()  # the syncs still in flight (their parts were all posted)
         self.clock.loop_s = time.perf_counter() - t0
         rec = self.evaluate(t.steps, log)
         log.close()
@@ -209,10 +270,11 @@ class Simulation:
 
     def summary(self, rec: dict[str, Any]) -> dict[str, Any]:
         m, t = self.cfg.method, self.cfg.train
+        # (the replicas in the run at its end: an elastic run's summary has those that finished)
         out = shared_summary(self.cfg, {r: {"val_loss": rec["val_loss_per_replica"][r],
                                             "bytes_sent": rec["bytes_sent_by_replica"][r],
-                                            "sync_seconds": 0.0} for r in range(self.n)})
-        first = self.methods[0] if self.methods else None
+                                            "sync_seconds": 0.0} for r in self.fabric.live})
+        first = self.methods[self.fabric.live[0]] if self.methods else None
         out.update({
             "simulated": True,
             "outer_steps": first.outer_steps if first is not None else 0,
@@ -234,6 +296,7 @@ class Simulation:
         if first is not None:
             out.update(first.settings())
         out["modelled"] = self.link.report() if self.link is not None else None
+        out["churn"] = self.churn.report() if self.churn is not None else None
         return out
 
     @torch.no_grad()
@@ -242,7 +305,8 @@ class Simulation:
         cfg = self.cfg
         model_dir = self.rundir.path / ckpt_mod.MODEL_DIR
         meta = {"step": str(self.step), "method": cfg.method.method}
-        saved = range(self.n) if self.n <= SAVED_REPLICAS else range(1)
+        live = self.fabric.live
+        saved = live if len(live) <= SAVED_REPLICAS else live[:1]
         names = []
         for r in saved:
             ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name(f"replica-{r}", 0, 1),
@@ -251,7 +315,7 @@ class Simulation:
             names.append(f"replica-{r}")
         if self.n > 1 and cfg.method.method in AVERAGED_METHODS:
             ckpt_mod.save_weights(model_dir / ckpt_mod.shard_name("average", 0, 1),
-                                  {n: p.detach().mean(0).cpu() for n, p in
+                                  {n: p.detach()[live].mean(0).cpu() for n, p in
                                    zip(self.replicas.names, self.replicas.params, strict=True)},
                                   meta)
             names.append("average")
