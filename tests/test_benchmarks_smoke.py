@@ -239,3 +239,20 @@ def test_soak_puts_the_skewed_machine_back_on_one_clock() -> None:
 
     assert [soak.skew_seconds(x) for x in ("+90s", "-2m", "+1.5h", "+30", "junk")] == [
         90.0, -120.0, 5400.0, 30.0, 0.0]
+
+
+@pytest.mark.slow("benchmark subprocesses: 10 simulated runs")
+@pytest.mark.timeout(240)
+def test_scaling_quick_writes_a_record(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(BENCH / "scaling.py"), "--quick",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=230)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads((tmp_path / "scaling_quick.json").read_text())
+    runs = rec["results"]["runs"]
+    assert {(r["method"], r["replicas"]) for r in runs if not r["churn"]} == {
+        (m, n) for m in ("noloco", "diloco", "sparseloco", "ddp") for n in (2, 4)}
+    assert all(r["final_val_loss"] < 6 for r in runs)
+    # the same global batch at every N: each replica's batch is global / N
+    assert {r["batch_per_replica"] * r["replicas"] for r in runs} == {8}
+    assert {g["method"] for g in rec["results"]["gaps"]} == {"noloco", "diloco", "sparseloco"}
