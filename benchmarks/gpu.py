@@ -28,6 +28,9 @@ Steps (each in its own try: an error is recorded and the others still run; the s
   agree (and whether every disagreement is among magnitudes equal to the chunk's k-th largest,
   i.e. a tie), how far the scales differ, how many codes differ, the same with the GPU
   quantising the CPU's chosen entries (rounding alone), and whether the decoded tensors agree.
+- ``simulate``: ``noloco simulate`` of 16 tiny NoLoCo replicas in one process on the GPU and
+  on the CPU, the same config: bytes and operations must agree; the losses' relative
+  difference (float order) and the GPU's tokens/s against the CPU's.
 - the device itself (head of the record): GPU name, capability, memory, torch / CUDA / cuDNN
   versions; every step records its peak GPU memory.
 
@@ -65,7 +68,7 @@ import common  # noqa: E402
 GENERATE_TARGET = 10.0
 """issue 34: the GPU samples at least 10x as many tokens per second as the CPU"""
 STEPS = ("train_fp32", "train_bf16", "train_compile", "checkpoint", "generate", "codecs",
-         "shared", "shared_vs_cpu", "shared_elastic")
+         "shared", "shared_vs_cpu", "shared_elastic", "simulate")
 SHARED = {
     "ddp": ["--method", "ddp"],
     "diloco": ["--method", "diloco"],
@@ -466,6 +469,34 @@ def shared_vs_cpu_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def simulate_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """``noloco simulate`` (issue 35) of 16 tiny NoLoCo replicas on the device and on the
+    CPU, the same config: bytes and operations equal, the losses apart by float order only
+    (the GPU's kernels sum in other orders), and the tokens/s of each."""
+    n = 4 if a.quick else 16
+    steps = 6 if a.quick else 40
+    sides = {}
+    for side, device in (("cpu", "cpu"), ("device", a.device)):
+        run = tmp / f"simulate_{side}"
+        argv = ["simulate", "--method", "noloco", "--replicas", str(n), "--preset", "tiny",
+                "--data", "builtin", "--max-tokens", str(a.max_tokens), "--batch-size", "4",
+                "--seq-len", "64", "--steps", str(steps), "--sync-every", str(steps // 2),
+                "--eval-every", str(steps), "--eval-sequences", "8", "--device", device,
+                "--log-every", "0", "--out", str(run), "--overwrite"]
+        _, s, wall = run_noloco(argv)
+        sides[side] = {"process_wall_seconds": wall, "final_val_loss": s["final_val_loss"],
+                       "bytes_sent_by_replica": s["bytes_sent_per_replica"], "ops": s["ops"],
+                       "tokens_per_second": s["tokens_per_second"]}
+        shutil.rmtree(run, ignore_errors=True)
+    c, g = sides["cpu"], sides["device"]
+    if c["bytes_sent_by_replica"] != g["bytes_sent_by_replica"] or c["ops"] != g["ops"]:
+        raise RuntimeError(f"simulate: bytes or operations differ between cpu and {a.device}")
+    return {"replicas": n, "steps": steps, "sides": sides,
+            "val_loss_relative_difference":
+            abs(g["final_val_loss"] - c["final_val_loss"]) / c["final_val_loss"],
+            "speedup": g["tokens_per_second"] / c["tokens_per_second"]}
+
+
 def shared_elastic_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Elastic NoLoCo, the replicas sharing the device; one is killed and respawned: it must
     rejoin from a donor (its state sent through host buffers) and every replica finish."""
@@ -847,7 +878,8 @@ def main(argv: list[str] | None = None) -> int:
               ("codecs", lambda: codecs_step(a)),
               ("shared", lambda: shared_step(a, tmp)),
               ("shared_vs_cpu", lambda: shared_vs_cpu_step(a, tmp)),
-              ("shared_elastic", lambda: shared_elastic_step(a, tmp))]
+              ("shared_elastic", lambda: shared_elastic_step(a, tmp)),
+              ("simulate", lambda: simulate_step(a, tmp))]
     if a.only:
         steps = [(n, fn) for n, fn in steps if n in a.only.split(",")]
     try:

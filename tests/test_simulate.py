@@ -171,6 +171,9 @@ def test_simulated_run_equals_the_distributed_run(tmp_path, corpus, flags, tol):
 
 
 @pytest.mark.parametrize("flags,why", [
+    (["--method", "diloco", "--checkpoint-every", "5"], "--checkpoint-every does not apply"),
+    (["--method", "diloco", "--respawn", "2"], "--respawn does not apply"),
+    (["--method", "diloco", "--data", "/nonexistent/x.txt"], "data path not found"),
     (["--stages", "2", "--method", "diloco"], "pipeline stages are not simulated"),
     (["--inner-optimizer", "muon", "--method", "diloco"], "only AdamW is batched"),
     (["--method", "diloco", "--elastic"], "elastic run is not simulated"),
@@ -206,18 +209,20 @@ def test_attention_folds_the_replicas_into_the_batch(monkeypatch):
     assert float(losses[1]) == pytest.approx(float(lm_loss(alone(x[1]), x[1])), abs=1e-6)
 
 
-@pytest.mark.parametrize("method,terms", [("diloco", 2 * 3), ("noloco", 1)])
+@pytest.mark.parametrize("method,terms", [("diloco", 2 * 3), ("noloco", 1), ("ddp", 2 * 3)])
 def test_modelled_wall_clock_on_a_link(tmp_path, corpus, method, terms):
-    """--bandwidth, --latency, --step-time: every step's time, plus each sync's bytes over
-    the link and its latency terms (a ring of 4: 2·3; a pair exchange: 1), in the summary and
-    in every metrics line."""
+    """--bandwidth, --latency, --step-time: every step's time, plus each operation's bytes
+    over the link and its latency terms (a ring of 4: 2·3; a pair exchange: 1), in the
+    summary and in every metrics line — DDP's from the first step on."""
     out = tmp_path / "run"
     r = cli("simulate", "--data", str(corpus), *SMALL, "--method", method, "--replicas", "4",
             "--steps", "12", "--sync-every", "6", "--eval-every", "6", "--bandwidth",
             "10Mbit", "--latency", "40ms", "--step-time", "0.25", "--out", str(out))
     assert r.returncode == 0, r.stderr
     s = summary(out)
-    expected = 12 * 0.25 + s["bytes_sent"] * 8 / 10e6 + 2 * terms * 0.04
+    ops = sum(s["ops"].values())
+    assert ops == (12 * 2 if method == "ddp" else 2)  # (DDP: 2 buckets of the small model)
+    expected = 12 * 0.25 + s["bytes_sent"] * 8 / 10e6 + ops * terms * 0.04
     assert s["modelled"]["wall_seconds"] == pytest.approx(expected, rel=1e-9)
     assert s["modelled"]["exposed_sync_seconds"] == pytest.approx(expected - 3.0, rel=1e-9)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -323,7 +328,7 @@ def test_a_joiner_takes_its_donors_state(tmp_path, corpus):
     assert m2.outer_steps == 2 and sim.comms[2].seq == sim.comms[0].seq
     assert all(float(e.abs().sum()) == 0 for e in m2.errors)
     assert any(float(e.abs().sum()) > 0 for e in m0.errors)
-    for state in sim.inner.state.values():
+    for state in sim.inner.state.values():  # (it never left: nothing of its own kept)
         assert float(state["exp_avg"][2].abs().sum()) == 0
     for _ in range(2):
         sim.inner_step()
@@ -369,3 +374,24 @@ def test_bad_churn_in_one_line(tmp_path, flags, why):
     r = cli("simulate", "--replicas", "2", *flags, "--out", str(out))
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and why in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_a_returning_replica_keeps_its_own_moments_and_reports_no_loss_away(tmp_path,
+                                                                             corpus):
+    sim = _simulation(tmp_path, corpus, "--method", "noloco", "--replicas", "4",
+                      "--sync-every", "2", "--steps", "8")
+    for _ in range(2):
+        sim.inner_step()
+    before = [s["exp_avg"][3].clone() for s in sim._adam_states()]
+    sim.leave(3)
+    loss = sim.inner_step()
+    assert torch.isnan(loss[3]) and not torch.isnan(loss[:3]).any()
+    sim.unread_losses += [loss, sim.inner_step()]  # (as run() keeps them)
+    sim.join(3, donor=0)
+    after = [s["exp_avg"][3] for s in sim._adam_states()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    from noloco.metrics import Progress
+
+    rec = sim.evaluate(4, Progress(enabled=False, total=8))
+    # replica 3's training loss is of no step (NaN), and the run's is the others' mean
+    assert rec["replicas_in_run"] == 4 and rec["train_loss"] == rec["train_loss"]

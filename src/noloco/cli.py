@@ -262,6 +262,10 @@ def simulate(ns: argparse.Namespace) -> int:
     from noloco.simulate import Simulation, check_simulable
     from noloco.simulate.run import memory_plan
 
+    given = [f"--{k.replace('_', '-')}" for k in vars(ns) if k in NOT_SIMULATED]
+    if given:
+        raise ConfigError(f"noloco simulate: {given[0]} does not apply to a simulation (it "
+                          f"keeps no checkpoints, starts no processes and has no network)")
     link = _link_model(ns)
     rate, away = ns.__dict__.pop("churn", None), ns.__dict__.pop("churn_away", None)
     cfg = config_from_args(ns).resolved()
@@ -276,11 +280,21 @@ def simulate(ns: argparse.Namespace) -> int:
     rundir = RunDir(cfg.train.out)
     rundir.check(overwrite=cfg.train.overwrite)
     torch.set_num_threads(cfg.train.threads or cpu_count())
-    print(line, file=sys.stderr, flush=True)
     sim = Simulation(cfg, rundir, link, device, churn)  # reads the data: refused first
+    print(line, file=sys.stderr, flush=True)
     rundir.prepare(cfg, overwrite=cfg.train.overwrite)
     sim.run()
     return 0
+
+
+NOT_SIMULATED = {
+    "checkpoint_every", "keep_checkpoints", "max_restarts", "respawn", "comm_timeout",
+    "stall_warning", "peer_timeout", "max_lonely_outer_steps", "payload_mac", "secret_file",
+    "run_id", "dashboard", "coordinator_timeout", "routing", "microbatches",
+}
+"""train's settings for processes, checkpoints and networks: refused by ``simulate`` when
+given (those that change the math a simulation cannot serve are refused by
+:func:`noloco.simulate.check_simulable`)"""
 
 
 def _churn(cfg: Any, rate: float | None, away: int | None) -> Any:

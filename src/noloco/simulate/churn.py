@@ -14,9 +14,9 @@ The rules are an elastic run's (docs/elastic.md), side by side in docs/simulate.
   the run is at the same step) — as an elastic join does: its weights, its method's whole
   state (slow weights, outer momentum, syncs in flight, NoLoCo's exchange count) but not its
   error feedback (a joiner owes nothing), and its operation count; it keeps its own data
-  position (where it left off). Its inner optimizer starts afresh: its AdamW moments are
-  zeroed (an elastic replica reloads its own checkpoint's, up to a checkpoint interval old;
-  a simulation keeps none).
+  position (where it left off) and its AdamW moments from when it left (an elastic replica
+  reloads its own checkpoint's, up to a checkpoint interval old); the AdamW step count is
+  the stacks' one, shared.
 
 Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 """

@@ -48,11 +48,13 @@ class LinkModel:
         lat = sum(count * terms[LATENCY_TERMS.get(kind, "one")] for kind, count in ops.items())
         return sent * 8 / self.bandwidth_bps + lat * self.latency_s
 
+    def start(self, comms: list[Any]) -> None:
+        """Before the first step: what the replicas' communicators counted so far."""
+        self._last = [(c.bytes_sent, Counter(c.ops)) for c in comms]
+
     def step(self, comms: list[Any], live: list[int], measured_step_seconds: float) -> None:
         """Advance by one inner step: every live replica's bytes and operations since the
-        last call (``comms``: the replicas' communicators)."""
-        if not self._last:
-            self._last = [(c.bytes_sent, Counter(c.ops)) for c in comms]
+        last call, or since :meth:`start` (``comms``: the replicas' communicators)."""
         t_step = self.step_seconds if self.step_seconds is not None else measured_step_seconds
         worst = 0.0
         for r in live:

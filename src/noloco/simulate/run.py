@@ -88,6 +88,8 @@ class Simulation:
         self.fabric = Fabric(self.n)
         self.churn = churn
         """replicas leaving and joining (``--churn``), or None"""
+        self._kept_moments: dict[int, list[dict[str, torch.Tensor]]] = {}
+        """a replica away: its AdamW moments when it left, per parameter"""
         self.fabric.elastic = churn is not None
         self.comms = self.fabric.communicators()
         self.ddp = m.method == "ddp"
@@ -105,7 +107,10 @@ class Simulation:
         """the modelled network (``--bandwidth``), or None"""
         if link is not None:
             link.overlap_steps = m.overlap_steps if m.method in ("streaming", "noloco") else 0
+            link.start(self.comms)
         self.step = 0
+        self.tokens = 0
+        """tokens trained on by the replicas in the run, so far"""
         self.unread_losses: list[torch.Tensor] = []
 
     # ---- one inner step ----------------------------------------------------------------------
@@ -127,6 +132,10 @@ class Simulation:
             losses = self.replicas.losses(x, y)
             (losses.sum() * (1.0 / k) if k > 1 else losses.sum()).backward()
             total += losses.detach()
+        if len(live) < self.n:  # a replica away trained on nothing: no loss of it
+            away = torch.ones(self.n, dtype=torch.bool, device=self.device)
+            away[live] = False
+            total[away] = float("nan")
         if self.ddp and self.n > 1:
             self.replicas.mean_gradients()
             for comm in self.comms:
@@ -164,13 +173,23 @@ class Simulation:
         assert churn is not None and self.cfg.method.sync_every is not None
         if step % self.cfg.method.sync_every or step >= self.cfg.train.steps:
             return
+        donor = self.fabric.live[0]  # (chosen among those that stayed, before anyone joins)
         for r in churn.joining(step):
-            donor = self.fabric.live[0]
             self.join(r, donor)
             churn.record(step, r, "joined", donor)
         for r in churn.leaving(step, list(self.fabric.live), self.cfg.method.sync_every):
-            self.fabric.leave(r)
+            self.leave(r)
             churn.record(step, r, "left")
+
+    @torch.no_grad()
+    def leave(self, replica: int) -> None:
+        """``replica`` leaves the run; its AdamW moments are kept for its return (what an
+        elastic replica's own checkpoint holds when it comes back)."""
+        self.fabric.elastic = True  # (who takes part is asked from now on)
+        self.fabric.leave(replica)
+        self._kept_moments[replica] = [
+            {k: state[k][replica].clone() for k in ("exp_avg", "exp_avg_sq") if k in state}
+            for state in self._adam_states()]
 
     @torch.no_grad()
     def join(self, replica: int, donor: int) -> None:
@@ -190,11 +209,20 @@ class Simulation:
         if guard is not None and judged is not None:
             guard.rejected, guard.checked = judged
         self.comms[replica].seq = self.comms[donor].seq
-        self._zero_moments(replica)
+        kept = self._kept_moments.pop(replica, None)
+        if kept is None:
+            self._zero_moments(replica)
+        else:  # its own moments, from when it left
+            for state, rows in zip(self._adam_states(), kept, strict=True):
+                for key, row in rows.items():
+                    state[key][replica].copy_(row)
         self.fabric.join(replica)
 
+    def _adam_states(self) -> list[dict[str, Any]]:
+        return [self.inner.state[p] for p in self.replicas.params if p in self.inner.state]
+
     def _zero_moments(self, replica: int) -> None:
-        for state in self.inner.state.values():
+        for state in self._adam_states():
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
                     state[key][replica].zero_()
@@ -216,19 +244,21 @@ class Simulation:
         live = self.fabric.live
         val = [v if r in live else None
                for r, v in enumerate(self.replicas.eval_losses(self.val))]
-        train = (torch.stack(self.unread_losses).mean(0).cpu().tolist() if self.unread_losses
-                 else [float("nan")] * self.n)
+        train = (torch.stack(self.unread_losses).nanmean(0).cpu().tolist()
+                 if self.unread_losses else [float("nan")] * self.n)
         self.unread_losses.clear()
         sent = [c.bytes_sent for c in self.comms]
+        ours = [sent[r] for r in live]  # (one replica's bytes: the mean over those in the run)
         rec = {
-            "train_loss": mean([train[r] for r in live]),
+            # (a replica back from away has no loss of the steps it missed: NaN, left out)
+            "train_loss": mean([train[r] for r in live if train[r] == train[r]]),
             "val_loss": mean([val[r] for r in live]), "val_loss_per_replica": val,
-            "bytes_sent": mean(sent), "bytes_sent_per_replica": mean(sent),
+            "bytes_sent": mean(ours), "bytes_sent_per_replica": mean(ours),
             "bytes_sent_by_replica": sent, "activation_bytes": 0.0,
             "sync_seconds": 0.0, "sync_seconds_by_replica": [0.0] * self.n,
             "weight_spread": self.replicas.weight_spread(live),
             "replicas_in_run": len(live),
-            "step": step, "tokens": step * self.tokens_per_step * self.n,
+            "step": step, "tokens": self.tokens,
             "tokens_per_replica": step * self.tokens_per_step,
             "wall_seconds": self.clock.loop_s,
             "modelled_seconds": self.link.seconds if self.link is not None else None,
@@ -253,7 +283,8 @@ class Simulation:
             if self.churn is not None:
                 self.churn_step()
             self.unread_losses.append(loss)
-            log.step(self.step, loss.mean(), self.tokens_per_step * self.n)
+            log.step(self.step, loss.nanmean(), self.tokens_per_step * len(self.fabric.live))
+            self.tokens += self.tokens_per_step * len(self.fabric.live)
             self.clock.loop_s = time.perf_counter() - t0
             if self.step % t.eval_every == 0 and self.step != t.steps:
                 self.evaluate(self.step, log)
@@ -282,7 +313,7 @@ class Simulation:
             "params": self.n_params,
             "param_bytes": self.n_params * 4,
             "tokens_per_replica": t.steps * self.tokens_per_step,
-            "ops": dict(self.comms[0].ops),
+            "ops": dict(self.comms[self.fabric.live[0]].ops),
             "weight_spread": rec["weight_spread"],
             "wall_seconds": self.clock.loop_s,
             "eval_seconds": self.clock.eval_s,
@@ -290,8 +321,7 @@ class Simulation:
             # this machine would take (what `noloco netsim predict` models a network around)
             "compute_seconds": (self.clock.loop_s - self.clock.eval_s) / self.n,
             "step_seconds": (self.clock.loop_s - self.clock.eval_s) / self.n / t.steps,
-            "tokens_per_second": t.steps * self.tokens_per_step * self.n
-            / max(self.clock.loop_s - self.clock.eval_s, 1e-9),
+            "tokens_per_second": self.tokens / max(self.clock.loop_s - self.clock.eval_s, 1e-9),
         })
         if first is not None:
             out.update(first.settings())
