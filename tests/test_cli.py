@@ -39,6 +39,26 @@ def test_method_defaults_resolve_per_spec():
     assert (r.sync_every, r.outer_lr, r.outer_momentum, r.nesterov) == (100, 0.7, 0.9, True)
     r = cfg_of(["--method", "diloco", "--replicas", "2", "--sync-every", "10"]).resolved().method
     assert r.sync_every == 10
+    # a sparse exchange's error feedback under an outer momentum trains badly (docs/sparse.md)
+    for method in ("diloco", "streaming"):
+        r = cfg_of(["--method", method, "--replicas", "2", "--compress", "topk:0.02:2"]
+                   ).resolved().method
+        assert r.outer_momentum == 0.0
+    r = cfg_of(["--method", "noloco", "--replicas", "2", "--compress", "topk:0.02:2"]
+               ).resolved().method
+    assert r.outer_momentum == 0.5  # (NoLoCo's α is its own: sparse gossip keeps it)
+
+
+def test_compress_under_outer_momentum_is_warned_about(tmp_path, capsys):
+    from noloco.cli import warn_about
+
+    warn_about(cfg_of(["--method", "diloco", "--replicas", "2", "--compress", "topk:0.02:2",
+                       "--outer-momentum", "0.9"]).resolved())
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--outer-momentum 0.9" in err
+    warn_about(cfg_of(["--method", "diloco", "--replicas", "2", "--compress", "topk:0.02:2"]
+                      ).resolved())
+    assert capsys.readouterr().err == ""
 
 
 def test_config_round_trips_through_json():

@@ -209,6 +209,8 @@ def train(ns: argparse.Namespace) -> int:
     cfg = resume_config(ns) if resuming else config_from_args(ns).resolved()
     from noloco.metrics import check_extras
     check_extras(cfg.train.tensorboard, cfg.train.wandb)
+    if os.environ.get("RANK", "0") == "0":
+        warn_about(cfg)
     m = cfg.method
     # The first outer step (of any fragment) comes after H/P inner steps.
     first_sync = m.sync_every // max(m.fragments, 1) if m.sync_every is not None else None
@@ -271,6 +273,7 @@ def simulate(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns).resolved()
     check_simulable(cfg)
     churn = _churn(cfg, rate, away)
+    warn_about(cfg)
     distributed.check_device(cfg.train.device, 1)
     device = torch.device("cuda" if distributed.uses_cuda(cfg.train.device) else "cpu")
     _, _, line = memory_plan(cfg, make_tokenizer(cfg.data.tokenizer).vocab_size, device)
@@ -335,6 +338,16 @@ def _link_model(ns: argparse.Namespace) -> Any:
         return LinkModel(parse_bandwidth(bandwidth), parse_latency(latency or 0.0), step_time)
     except NetsimError as e:
         raise ConfigError(str(e)) from None
+
+
+def warn_about(cfg: Config) -> None:
+    """Settings that run but are known to train badly: one line each, on stderr."""
+    m = cfg.method
+    if m.compress is not None and m.method in ("diloco", "streaming") and m.outer_momentum:
+        print(f"noloco: warning: --compress with --outer-momentum {m.outer_momentum:g}: the "
+              f"momentum re-applies every burst the error feedback releases and trains far "
+              f"worse (docs/sparse.md); the default with --compress is 0, or use --method "
+              f"sparseloco", file=sys.stderr, flush=True)
 
 
 def _add_launcher_startup(rundir: Any, load: Any, workers: str | None) -> None:
