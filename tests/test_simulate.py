@@ -29,6 +29,7 @@ def test_fabric_all_reduce_gather_exchange():
     for x in xs:
         assert torch.equal(x, torch.full((5,), 2.0))
     assert all(c.bytes_sent == 2 * 2 * 5 * 4 // 3 for c in comms)  # the ring's 2(N−1)/N·S
+    assert comms[0].fabric.in_flight() == 0  # read by every replica: forgotten
 
     got = [c.all_gather_async(torch.tensor([float(r)])) for r, c in enumerate(comms)]
     assert [float(t) for t in got[1].wait()] == [0.0, 1.0, 2.0]
@@ -42,6 +43,17 @@ def test_fabric_all_reduce_gather_exchange():
     assert [float(t) for t in ex[2].wait()] == [0.0]
     assert comms[0].bytes_sent - comms[1].bytes_sent == 4  # one float to one peer
     assert [c.ops["exchange"] for c in comms] == [1, 1, 1]
+
+
+def test_fabric_forgets_what_a_leaver_will_never_read():
+    fabric = Fabric(2)
+    fabric.elastic = True
+    comms = fabric.communicators()
+    pend = [c.all_reduce_mean_async(torch.ones(2)) for c in comms]
+    pend[0].wait()
+    assert fabric.in_flight() == 1
+    fabric.leave(1)  # it posted, but leaves before reading
+    assert fabric.in_flight() == 0
 
 
 def test_fabric_quantized_all_reduce_is_the_distributed_one():

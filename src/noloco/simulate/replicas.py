@@ -174,6 +174,3 @@ class StackedReplicas:
             total += float(((x - x.mean(0, keepdim=True)) ** 2).sum())
             count += p[0].numel()
         return (total / (count * n)) ** 0.5
-
-    def state_numel(self) -> dict[str, Any]:
-        return {"per_replica": sum(p[0].numel() for p in self.params)}
