@@ -407,3 +407,43 @@ def test_a_returning_replica_keeps_its_own_moments_and_reports_no_loss_away(tmp_
     rec = sim.evaluate(4, Progress(enabled=False, total=8))
     # replica 3's training loss is of no step (NaN), and the run's is the others' mean
     assert rec["replicas_in_run"] == 4 and rec["train_loss"] == rec["train_loss"]
+
+
+def test_a_gathered_mean_is_decoded_once_for_every_replica(tmp_path, corpus, monkeypatch):
+    """SparseLoCo's all-gather hands every simulated replica the same messages: their mean
+    is decoded once per outer step (N messages), not once per replica (N² of them), and
+    every replica steps with it, each from its own copy."""
+    from noloco import sparse
+
+    calls = []
+    decode = sparse.Compressor.decode
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(sparse.Compressor, "decode", counted)
+    sim = _simulation(tmp_path, corpus, "--method", "sparseloco", "--replicas", "4",
+                      "--sync-every", "2", "--steps", "4")
+    for _ in range(2):
+        sim.inner_step()
+    assert len(calls) == 4  # one outer step: the 4 messages, once
+    phis = [m.frags[0].flat_phi for m in sim.methods]
+    assert all(torch.equal(phis[0], p) for p in phis[1:])
+    assert len({p.data_ptr() for p in phis}) == 4
+
+
+def test_a_fragment_holds_no_buffer_between_syncs(tmp_path, corpus):
+    """Between syncs a method holds φ and the outer optimizer's state: the flat copy of θ it
+    sent is the sync's, and goes with it (a buffer kept for the run would cost the weights'
+    size again per replica)."""
+    sim = _simulation(tmp_path, corpus, "--method", "noloco", "--replicas", "2",
+                      "--sync-every", "2", "--steps", "4")
+    for _ in range(2):
+        sim.inner_step()
+    m = sim.methods[0]
+    assert m.outer_steps == 1 and not m.inflight
+    for frag in m.frags:
+        held = {k for k, v in vars(frag).items() if isinstance(v, torch.Tensor) or (
+            isinstance(v, list) and any(isinstance(x, torch.Tensor) for x in v))}
+        assert held == {"flat_phi", "phi", "params"}  # φ, its views, the live weights

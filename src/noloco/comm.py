@@ -66,6 +66,28 @@ def is_skipped(result: Any) -> bool:
     return isinstance(result, str) and result == SKIPPED
 
 
+class SharedGather(list):
+    """An all-gather's result that every replica of one process reads alike (the simulator,
+    :mod:`noloco.simulate.fabric`, hands its N replicas the same list). What is computed
+    from the messages alone — the same on every replica by design, since every replica must
+    reach the same bits — is computed once for all of them (:func:`computed_once`) instead
+    of N times: N replicas decoding N messages each is N² work."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        super().__init__(items)
+        self.memo: dict[Any, Any] = {}
+
+
+def computed_once(gathered: Sequence[Any], key: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, or its value for ``key`` when ``gathered`` is a :class:`SharedGather`
+    another replica computed it for. The value is shared: read it, never change it."""
+    if not isinstance(gathered, SharedGather):
+        return compute()
+    if key not in gathered.memo:
+        gathered.memo[key] = compute()
+    return gathered.memo[key]
+
+
 class Pending:
     """An operation in flight. ``wait()`` blocks (counted as sync time) and returns its result.
 

@@ -277,7 +277,9 @@ class ShardedReader:
     def _shard(self, epoch: int) -> np.ndarray:
         g = np.random.default_rng([self.seed, epoch])
         perm = g.permutation(num_sequences(self.tokens, self.seq_len))
-        return perm[self.rank:: self.world][: self.per_replica]
+        # (a copy: a view would keep the whole permutation alive in every reader, N of them
+        # in one process when a simulation holds every replica's)
+        return perm[self.rank:: self.world][: self.per_replica].copy()
 
     def indices(self, count: int) -> list[int]:
         out = []

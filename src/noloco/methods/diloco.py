@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from noloco import sparse
-from noloco.comm import Communicator, Pending, is_skipped
+from noloco.comm import Communicator, Pending, SharedGather, computed_once, is_skipped
 from noloco.guard import UpdateGuard
 from noloco.methods.engine import Fragment, ModelLike, OuterSync, Sync
 
@@ -103,11 +103,13 @@ class DiLoCo(OuterSync):
             # Elastic: None for a replica whose message is not in the outcome (a replica
             # alone, or left out, holds its own message only).
             ranks = [r for r, m in enumerate(received) if m is not None]
-            mean, dropped = self.compress.mean_of_sound([received[r] for r in ranks],
-                                                        frag.numel())
+            mean, dropped = computed_once(
+                received, ("mean_of_sound", frag.numel()),
+                lambda: self.compress.mean_of_sound([received[r] for r in ranks],
+                                                    frag.numel()))
             for i, why in dropped.items():
                 self._drop(frag, ranks[i], why)
-            return mean
+            return mean if not isinstance(received, SharedGather) else mean.clone()
         if self.quantize != "none":
             return sync.payload  # already the mean of φ − θ
         return frag.slow() - sync.payload

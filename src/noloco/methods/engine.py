@@ -145,8 +145,10 @@ class Fragment:
 
     φ is one flat fp32 tensor (``flat_phi``; ``phi`` holds a view per parameter), so the outer
     step is one optimizer step over one tensor, and sending or comparing φ needs no copy.
-    The flat copy of θ that is sent and the receive buffers are allocated once and reused:
-    a fragment has at most one sync in flight (τ < H/P), applied before its next one starts.
+    The flat copy of θ that is sent (and an exchange's receive buffers) are allocated per
+    sync and live only while it is in flight: between syncs a fragment holds φ and its outer
+    optimizer's state, nothing more (one allocation per H steps costs nothing beside them;
+    a buffer kept for the whole run would cost the weights' size again, per replica).
     """
 
     def __init__(self, index: int, params: list[torch.Tensor], outer: OuterOptimizer) -> None:
@@ -155,28 +157,20 @@ class Fragment:
         self.phi = _views(self.flat_phi, params)
         self.outer = outer([self.flat_phi]) if params else None
         self.syncs = 0
-        self._send = torch.empty_like(self.flat_phi)
-        self._recv: list[torch.Tensor] = []
 
     def numel(self) -> int:
         return self.flat_phi.numel()
 
     def fast(self) -> torch.Tensor:
-        """θ of the fragment, flat, fp32 (into the fragment's send buffer)."""
-        for view, p in zip(_views(self._send, self.params), self.params, strict=True):
+        """θ of the fragment, flat, fp32: a new tensor (the sync's to send and keep)."""
+        out = torch.empty_like(self.flat_phi)
+        for view, p in zip(_views(out, self.params), self.params, strict=True):
             view.copy_(p.detach())
-        return self._send
+        return out
 
     def slow(self) -> torch.Tensor:
         """φ of the fragment, flat (the tensor itself: read it, do not change it)."""
         return self.flat_phi
-
-    def receive_buffers(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
-        """``count`` buffers shaped like ``like``, kept from one exchange to the next."""
-        if len(self._recv) != count or any(
-                b.shape != like.shape or b.dtype != like.dtype for b in self._recv):
-            self._recv = [torch.empty_like(like) for _ in range(count)]
-        return self._recv
 
 
 def _views(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -164,8 +164,7 @@ class NoLoCo(OuterSync):
         else:
             payload = torch.cat([fast, slow]) if self.exchanges_slow_weights else fast
         peers = [r for r in group if r != self.comm.rank]
-        pending = self.comm.exchange_async(payload, peers,
-                                           frag.receive_buffers(payload, len(peers)))
+        pending = self.comm.exchange_async(payload, peers)
         return Sync(frag.index, t + self.tau, payload, pending,
                     extra=(group, peers, fast.numel(), self.comm.rank, pulled), own_bad=own_bad)
 

@@ -12,7 +12,9 @@ from every replica's posted tensor, as a tensor operation across the replicas:
   ``SUM`` and ``div_`` give, up to the order of float additions);
 - the quantised all-reduce: :func:`noloco.comm.quantized_mean_of`, the very encoding,
   rank-order sums and re-encoding of the distributed one, so the same bits;
-- an all-gather: every replica's tensor (shared, read-only);
+- an all-gather: every replica's tensor (shared, read-only), in one
+  :class:`noloco.comm.SharedGather` every replica reads, so what a method computes from the
+  messages alone is computed once, not once per replica;
 - an exchange: each peer's tensor, copied into the receive buffers.
 
 Bytes are counted by the distributed communicator's formulas (:mod:`noloco.comm`), so a
@@ -36,6 +38,7 @@ from noloco import quant
 from noloco.comm import (
     Communicator,
     Pending,
+    SharedGather,
     _check_quantizable,
     quantized_all_reduce_bytes,
     quantized_mean_of,
@@ -187,7 +190,7 @@ class SimulatedCommunicator(Communicator):
         def gathered(sends: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
             # by replica, None for one not in the operation (as an elastic all-gather);
             # every replica reads the same list: the messages are read, never changed
-            return [sends.get(r) for r in range(size)]
+            return SharedGather([sends.get(r) for r in range(size)])
 
         return self._start("all_gather", tensor.contiguous(), gathered, lambda got: got)
 
