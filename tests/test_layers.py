@@ -24,7 +24,7 @@ FLOORS: list[set[str]] = [
      "netsim.predict", "netsim.utilisation", "simulate", "simulate.fabric",
      "simulate.replicas", "simulate.run", "simulate.link", "simulate.churn"},
     # 4 what an elastic run adds to the trainer (a component it is handed)
-    {"elastic.files", "elastic.join", "elastic.worker"},
+    {"elastic.files", "elastic.join", "elastic.worker", "library"},
     # 5 a worker process from start to exit code
     {"worker", "warm"},
     # 6 launching and watching runs; what reads a run directory

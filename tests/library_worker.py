@@ -1,0 +1,75 @@
+"""One replica of a library run (tests/test_library.py): a plain loop around a small MLP.
+
+    python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
+        [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
+
+Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch import nn
+
+from noloco.library import RunError, join_run
+
+
+def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loop's own data order: a function of (replica, step)."""
+    g = torch.Generator().manual_seed(1000 * replica + step)
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for name in ("port", "replica", "replicas", "steps"):
+        p.add_argument(name, type=int)
+    p.add_argument("out")
+    p.add_argument("--die-at", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--method", default="diloco")
+    p.add_argument("--sync-every", type=int, default=5)
+    p.add_argument("--secret-file")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="pace the loop")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+    model = nn.Sequential(nn.Linear(8, a.hidden), nn.Tanh(), nn.Linear(a.hidden, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        run = join_run(model, opt, coordinator=f"127.0.0.1:{a.port}", run_id="lib",
+                       replica=a.replica, replicas=a.replicas, method=a.method,
+                       sync_every=a.sync_every, peer_timeout=3.0, comm_timeout=30.0,
+                       secret_file=a.secret_file)
+    except RunError as e:
+        print(f"refused: {e}", file=sys.stderr, flush=True)
+        return 2
+    first = run.step
+    with run:
+        while run.step < a.steps:
+            x, y = batch(a.replica, run.step)
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            print(f"step {run.step} loss {loss.item():.4f}", flush=True)
+            time.sleep(a.step_seconds)
+            if a.die_at and run.step == a.die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+    with open(a.out, "w") as f:
+        json.dump({"replica": a.replica, "step": run.step, "first_step": first,
+                   "outer_steps": run.outer_steps, "joins": run.joins,
+                   "weights": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

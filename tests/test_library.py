@@ -1,0 +1,149 @@
+"""noloco.library: the elastic machinery around a user's own model, optimizer and loop.
+
+The multi-process tests host the run's store in this process (noloco.elastic.host.Host, what
+`noloco coordinator` runs) and start replicas of tests/library_worker.py: a plain loop
+around a small MLP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from noloco.library import RunError, join_run
+
+WORKER = Path(__file__).with_name("library_worker.py")
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"),
+       "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
+
+
+@pytest.fixture
+def host():
+    from noloco.elastic import auth
+    from noloco.elastic.host import Host
+
+    # the run secret of the test session (conftest's NOLOCO_SECRET): the gate asks for it
+    h = Host("127.0.0.1", 0, secret=auth.load_secret(None))
+    yield h
+    h.stop()
+
+
+def worker(port: int, replica: int, replicas: int, steps: int, out: Path, *args: str,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(WORKER), str(port), str(replica),
+                             str(replicas), str(steps), str(out), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, **(env or {})})
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[tuple[int, str]]:
+    got = []
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        got.append((p.returncode, err))
+    return got
+
+
+def results(tmp_path: Path, replicas: int) -> list[dict]:
+    return [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(replicas)]
+
+
+def no_cpp_dump(text: str) -> None:
+    for sign in ("frame #", "Exception raised from", "terminate called", "Traceback"):
+        assert sign not in text, text[-3000:]
+
+
+@pytest.mark.slow("three replica processes at an in-process store")
+@pytest.mark.timeout(180)
+def test_a_plain_loop_trains_as_replicas_of_one_run(tmp_path, host):
+    """Three processes, each its own loop, model and AdamW: outer steps happen inside
+    optimizer.step(), every H = 5 steps; DiLoCo ends every outer step on the same weights."""
+    procs = [worker(host.port, r, 3, 30, tmp_path / f"out{r}.json", "--step-seconds", "0.02")
+             for r in range(3)]
+    for code, err in finish(procs):
+        assert code == 0, err[-3000:]
+        no_cpp_dump(err)
+    res = results(tmp_path, 3)
+    assert all(x["step"] == 30 for x in res)
+    assert all(x["weights"] == res[0]["weights"] for x in res)
+    # (a replica that started after another had trained took its state: at most one
+    # outer step's worth fewer of its own)
+    assert all(x["outer_steps"] >= 5 for x in res), [x["outer_steps"] for x in res]
+
+
+@pytest.mark.slow("replica processes, one killed and started again")
+@pytest.mark.timeout(240)
+def test_a_killed_replica_started_again_rejoins_from_a_donor(tmp_path, host):
+    """Replica 1 is killed (SIGKILL) at step 12 of 80; its launcher (here, the test) starts
+    it again: it takes a live replica's state inside join_run, resumes at the donor's step
+    and finishes with the others, on the same weights."""
+    pace = ["--step-seconds", "0.1"]
+    others = [worker(host.port, r, 3, 80, tmp_path / f"out{r}.json", *pace) for r in (0, 2)]
+    first = worker(host.port, 1, 3, 80, tmp_path / "out1.json", "--die-at", "12", *pace)
+    first.communicate(timeout=120)
+    assert first.returncode == -9
+    again = worker(host.port, 1, 3, 80, tmp_path / "out1.json", *pace)
+    for code, err in finish([*others, again]):
+        assert code == 0, err[-3000:]
+        no_cpp_dump(err)
+    res = results(tmp_path, 3)
+    assert all(x["step"] == 80 for x in res)
+    rejoined = res[1]
+    assert rejoined["first_step"] > 12  # it went on from the donor's step, not from 0
+    assert [j["kind"] for j in rejoined["joins"]][-1:] == ["joined"]
+    assert all(x["weights"] == res[0]["weights"] for x in res)
+
+
+@pytest.mark.slow("replica processes, one of them refused")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("args,env,why", [
+    (["--hidden", "16"], {}, "the model's parameters (names, shapes, dtypes) differ"),
+    (["--sync-every", "4"], {}, "the method settings differ from the run's"),
+    (["--seed", "7"], {}, "its initial weights differ"),
+    ([], {"NOLOCO_SECRET": "x" * 40}, "secret"),
+], ids=["architecture", "settings", "initial-weights", "secret"])
+def test_a_replica_that_does_not_fit_the_run_is_refused_in_one_line(tmp_path, host, args,
+                                                                     env, why):
+    """Another architecture, other settings, other initial weights, a wrong secret:
+    RunError before the first step (one line, a catchable exception); the run goes on
+    without it."""
+    ok = worker(host.port, 0, 2, 10, tmp_path / "out0.json", "--step-seconds", "0.3")
+    time.sleep(0.5)
+    bad = worker(host.port, 1, 2, 10, tmp_path / "out1.json", *args, env=env)
+    code, err = finish([bad])[0]
+    assert code == 2 and why in err, err[-2000:]
+    assert err.strip().count("\n") == 0, err  # one line
+    (code0, err0), = finish([ok])
+    assert code0 == 0, err0[-3000:]
+    assert not (tmp_path / "out1.json").exists()
+
+
+@pytest.mark.parametrize("kwargs,why", [
+    ({"method": "ddp"}, "is not served by an elastic run"),
+    ({"sync_evry": 5}, "unknown method setting(s) sync_evry"),
+    ({"replica": 4}, "replica 4 outside 0..3"),
+    ({"compress": "topk:2"}, "compress"),
+])
+def test_bad_settings_are_refused_before_anything_connects(kwargs, why):
+    model = nn.Linear(2, 1)
+    args = {"coordinator": "127.0.0.1:1", "run_id": "x", "replica": 0, "replicas": 4,
+            **kwargs}
+    with pytest.raises(RunError, match="join_run") as e:
+        join_run(model, torch.optim.SGD(model.parameters(), lr=0.1), **args)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unreachable_coordinator_is_one_line():
+    model = nn.Linear(2, 1)
+    with pytest.raises(RunError, match="join_run") as e:
+        join_run(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                 coordinator="127.0.0.1:1", run_id="x", replica=0, replicas=2,
+                 comm_timeout=1.0, peer_timeout=1.0)
+    assert "\n" not in str(e.value)
