@@ -47,7 +47,7 @@ def main() -> int:
     try:
         run = join_run(model, opt, coordinator=f"127.0.0.1:{a.port}", run_id="lib",
                        replica=a.replica, replicas=a.replicas, method=a.method,
-                       sync_every=a.sync_every, peer_timeout=3.0, comm_timeout=30.0,
+                       sync_every=a.sync_every, peer_timeout=6.0, comm_timeout=30.0,
                        secret_file=a.secret_file)
     except RunError as e:
         print(f"refused: {e}", file=sys.stderr, flush=True)

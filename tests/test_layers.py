@@ -26,7 +26,7 @@ FLOORS: list[set[str]] = [
     # 4 what an elastic run adds to the trainer (a component it is handed)
     {"elastic.files", "elastic.join", "elastic.worker", "library"},
     # 5 a worker process from start to exit code
-    {"worker", "warm"},
+    {"worker", "warm", "integrations", "integrations.lightning", "integrations.hf"},
     # 6 launching and watching runs; what reads a run directory
     {"launch", "elastic.launcher", "elastic.status", "elastic.coordinator", "report",
      "generate", "export"},

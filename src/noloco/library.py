@@ -65,15 +65,18 @@ from noloco.elastic.deadline import (
     request_deadline,
     wait_reachable,
 )
-from noloco.elastic.join import Joiner, NoDonor
+from noloco.elastic.join import Joiner
 from noloco.elastic.keys import starts_key
 from noloco.elastic.membership import Membership, live_replicas
 from noloco.integrity import Sealer, payload_key
 from noloco.methods import build_method
+from noloco.methods.engine import split_model
 from noloco.train import LoopState, weights_checksum
 
 LIBRARY_METHODS = ("noloco", "diloco", "streaming", "sparseloco")
 """the methods an elastic run serves"""
+STATIC_METHODS = ("ddp", *LIBRARY_METHODS)
+"""the methods of a static library run (DDP: every inner step's gradients averaged)"""
 _FINGERPRINT_KEY = "noloco/library/{}"
 
 
@@ -91,33 +94,64 @@ def join_run(model: nn.Module, optimizer: torch.optim.Optimizer, *, coordinator:
     its ``settings`` (the :class:`noloco.config.MethodConfig` fields, as the CLI's flags:
     ``sync_every``, ``outer_lr``, ``outer_momentum``, ``compress``, ``fragments``, ...). See
     the module docstring; :class:`RunError` on bad input."""
+    _check_inputs("join_run", model, optimizer, method, settings, LIBRARY_METHODS,
+                  "is not served by an elastic run")
+    if not 0 <= replica < replicas:
+        raise RunError(f"join_run: replica {replica} outside 0..{replicas - 1}")
+    cfg = _config("join_run", MethodConfig, method=method, replicas=replicas, elastic=True,
+                  peer_timeout=peer_timeout, comm_timeout=comm_timeout, settings=settings,
+                  train=dict(coordinator=coordinator, run_id=run_id, secret_file=secret_file,
+                             seed=seed))
+    return ElasticLoop(model, optimizer, cfg, replica)
+
+
+def static_run(model: nn.Module, optimizer: torch.optim.Optimizer, *,
+               method: str = "diloco", seed: int = 0, **settings: Any) -> StaticLoop:
+    """Every process of the default ``torch.distributed`` process group (initialised by the
+    caller or its launcher: torchrun, Lightning, ...) is one replica of a static run: no
+    coordinator, no joins; a replica that dies stops the run, as any collective job. The
+    same checks and the same ``optimizer.step()`` as :func:`join_run`, over a
+    :class:`noloco.comm.TorchCommunicator` (gloo on CPU, NCCL on GPU)."""
+    import torch.distributed as dist
+
+    _check_inputs("static_run", model, optimizer, method, settings, STATIC_METHODS,
+                  "is not a method of a static library run")
+    if not dist.is_initialized():
+        raise RunError("static_run: torch.distributed is not initialised "
+                       "(init_process_group first, or run under torchrun)")
+    cfg = _config("static_run", MethodConfig, method=method,
+                  replicas=dist.get_world_size(), elastic=False, settings=settings,
+                  train=dict(seed=seed))
+    return StaticLoop(model, optimizer, cfg)
+
+
+def _check_inputs(fn: str, model: Any, optimizer: Any, method: str, settings: dict[str, Any],
+                  allowed: tuple[str, ...], why: str) -> None:
     if not isinstance(model, nn.Module):
-        raise RunError(f"join_run: model must be a torch.nn.Module, not {type(model).__name__}")
+        raise RunError(f"{fn}: model must be a torch.nn.Module, not {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise RunError("join_run: optimizer must be a torch.optim.Optimizer, not "
+        raise RunError(f"{fn}: optimizer must be a torch.optim.Optimizer, not "
                        f"{type(optimizer).__name__}")
-    if method not in LIBRARY_METHODS:
-        raise RunError(f"join_run: method {method!r} is not served by an elastic run: choose "
-                       f"from {', '.join(LIBRARY_METHODS)}")
+    if method not in allowed:
+        raise RunError(f"{fn}: method {method!r} {why}: choose from {', '.join(allowed)}")
     known = {f.name for f in fields(MethodConfig)} - {"method", "replicas", "stages",
                                                        "elastic", "routing", "microbatches"}
     unknown = sorted(set(settings) - known)
     if unknown:
-        raise RunError(f"join_run: unknown method setting(s) {', '.join(unknown)}: the "
+        raise RunError(f"{fn}: unknown method setting(s) {', '.join(unknown)}: the "
                        f"settings are those of noloco.config.MethodConfig")
-    if not 0 <= replica < replicas:
-        raise RunError(f"join_run: replica {replica} outside 0..{replicas - 1}")
+
+
+def _config(fn: str, method_cls: type[MethodConfig], *, settings: dict[str, Any],
+            train: dict[str, Any], **method: Any) -> Config:
+    """The run's one config tree, resolved as the CLI resolves it (method defaults,
+    validation): bad values are a RunError of one line."""
     try:
-        cfg = Config(method=MethodConfig(method=method, replicas=replicas, elastic=True,
-                                         peer_timeout=peer_timeout, comm_timeout=comm_timeout,
-                                         **settings),
-                     train=TrainConfig(coordinator=coordinator, run_id=run_id,
-                                       secret_file=secret_file, seed=seed,
-                                       out="(the loop's own)", checkpoint_every="0"))
-        cfg = cfg.resolved()
+        cfg = Config(method=method_cls(**method, **settings),
+                     train=TrainConfig(out="(the loop's own)", checkpoint_every="0", **train))
+        return cfg.resolved()
     except (ConfigError, ValueError, TypeError) as e:
-        raise RunError(f"join_run: {str(e).splitlines()[0]}") from None
-    return ElasticLoop(model, optimizer, cfg, replica)
+        raise RunError(f"{fn}: {str(e).splitlines()[0]}") from None
 
 
 class _NoReader:
@@ -169,7 +203,111 @@ class _LoopJoiner(Joiner):
         return _Checkpoints.root
 
 
-class ElasticLoop:
+class _Handle:
+    """What both kinds of library run share: the step count, the wrapped
+    ``optimizer.step`` and leaving."""
+
+    cfg: Config
+    lay: Layout
+    method: Any
+    comm: Any
+    inner: torch.optim.Optimizer
+    state: LoopState
+
+    def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
+        self._closed = False
+        self._step = optimizer.step
+        optimizer.step = self._wrapped_step  # type: ignore[method-assign]
+
+    # ---- what the loop reads ---------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Inner steps this replica has taken in the run (a joiner: its donor's count)."""
+        return self.state.step
+
+    @property
+    def replica(self) -> int:
+        return self.lay.replica
+
+    @property
+    def replicas(self) -> int:
+        return self.lay.replicas
+
+    @property
+    def outer_steps(self) -> int:
+        return self.method.outer_steps
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.comm.bytes_sent
+
+    @property
+    def joins(self) -> list[dict[str, Any]]:
+        """What this replica donated, took (joined, healed) and refused."""
+        return []
+
+    # ---- the step ---------------------------------------------------------------------------
+    def _wrapped_step(self, closure: Any = None) -> Any:
+        if self._closed:
+            return self._step(closure)
+        loss = None
+        if closure is not None:
+            # (Lightning, and torch's LBFGS-style loops, compute the gradients inside
+            # step(): they must exist before the method's gradient sync)
+            with torch.enable_grad():
+                loss = closure()
+        self.method.sync_gradients()
+        self._step()
+        st = self.state
+        st.step = st.step + 1
+        self._counted(st.step)
+        self.method.after_inner_step()
+        guard = self.method.guard
+        if guard is not None and guard.restart_inner:
+            # its own update was rejected: it took the synced weights; the optimizer's state,
+            # poisoned by the same gradients, starts afresh
+            self.inner.state.clear()
+            guard.restart_inner = False
+            print(f"noloco: replica {self.lay.replica}: its own update was rejected at step "
+                  f"{st.step}; it took the synced weights and restarted its optimizer",
+                  file=sys.stderr, flush=True)
+        self._between_steps()
+        return loss
+
+    def _counted(self, step: int) -> None:
+        """The step just counted (heartbeats carry it)."""
+
+    def _between_steps(self) -> None:
+        """After the method's part of a step: what an elastic run does between two steps."""
+
+    # ---- the end ------------------------------------------------------------------------------
+    def close(self, ok: bool = True) -> None:
+        """Leave the run: the syncs still in flight applied (``ok``), the run told that this
+        replica is gone, the optimizer's own ``step`` back. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if ok:
+                self.method.finish()
+        except BaseException:
+            ok = False
+            raise
+        finally:
+            self._leave(ok)
+            self.inner.step = self._step  # type: ignore[method-assign]
+
+    def _leave(self, ok: bool) -> None:
+        pass
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        self.close(ok=kind is None)
+
+
+class ElasticLoop(_Handle):
     """One replica of an elastic run around a user's model and optimizer (:func:`join_run`
     builds it): the attributes :class:`noloco.elastic.join.Joiner` reads of the trainer it
     serves, and the wrapped ``optimizer.step``."""
@@ -193,7 +331,10 @@ class ElasticLoop:
         self.ckpt = _Checkpoints()
         self.resumed_from: int | None = None
         self.t_start = self.t_loop = time.perf_counter()
-        self._closed = False
+        try:  # what the method will cut the model into, before anything reaches the run
+            split_model(self.runner.named_parameters(), m.fragments, m.fragment_pattern)
+        except ValueError as e:
+            raise RunError(f"join_run: {str(e).splitlines()[0]}") from None
         address = t.coordinator
         assert address is not None
         try:
@@ -208,12 +349,25 @@ class ElasticLoop:
         except (OSError, RuntimeError) as e:
             raise RunError(f"join_run: cannot reach the run's store at {address}: "
                            f"{str(e).splitlines()[0][:200]}") from None
+        try:
+            self._enter(store, replica)
+        except RunError:
+            raise
+        except (OSError, RuntimeError) as e:
+            raise RunError(f"join_run: replica {replica}: the run's store stopped answering "
+                           f"({str(e).splitlines()[0][:200]})") from None
+        self._wrap(optimizer)
+
+    def _enter(self, store: Any, replica: int) -> None:
+        """The checks, then this replica counted in, registered and (a joiner) given a live
+        state."""
+        m, t = self.cfg.method, self.cfg.train
         # What every replica must share, checked before this one counts itself in.
         arch = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.runner.named_parameters()]
         self._agree(store, "architecture", _digest(arch),
                     "the model's parameters (names, shapes, dtypes) differ from the run's: "
                     "every replica must build the same architecture")
-        self._agree(store, "settings", _digest(cfg.math_dict()["method"]),
+        self._agree(store, "settings", _digest(_settings(self.cfg)),
                     "the method settings differ from the run's: every replica must pass the "
                     "same method and settings")
         if store.add(starts_key(replica, 0), 0) == 0:
@@ -248,8 +402,9 @@ class ElasticLoop:
             if joins:
                 try:
                     self.joiner.join()
-                except NoDonor as e:
-                    raise RunError(f"join_run: replica {replica}: {e}") from None
+                except ConfigError as e:  # (NoDonor: nobody left to take a state from)
+                    raise RunError(f"join_run: replica {replica}: "
+                                   f"{str(e).splitlines()[0]}") from None
             self.membership.step = self.status.step = self.state.step
             self.membership.ready = True  # a donor from now on
             self.membership.joining = False
@@ -257,8 +412,6 @@ class ElasticLoop:
         except BaseException:
             self.membership.finish(stopped=True)
             raise
-        self._step = optimizer.step
-        optimizer.step = self._wrapped_step  # type: ignore[method-assign]
 
     def _agree(self, store: Any, what: str, value: str, why: str) -> None:
         key = _FINGERPRINT_KEY.format(what)
@@ -267,50 +420,21 @@ class ElasticLoop:
         if got != value:
             raise RunError(f"join_run: replica {self.lay.replica}: {why}")
 
-    # ---- what the loop reads ---------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        """Inner steps this replica has taken in the run (a joiner: its donor's count)."""
-        return self.state.step
-
-    @property
-    def replica(self) -> int:
-        return self.lay.replica
-
-    @property
-    def outer_steps(self) -> int:
-        return self.method.outer_steps
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.comm.bytes_sent
-
     @property
     def joins(self) -> list[dict[str, Any]]:
         """What this replica donated, took (joined, healed) and refused."""
         return self.joiner.joins
 
-    # ---- the step ---------------------------------------------------------------------------
-    def _wrapped_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._closed:
-            return self._step(*args, **kwargs)
-        self.method.sync_gradients()
-        out = self._step(*args, **kwargs)
-        st = self.state
-        st.step = self.status.step = self.membership.step = st.step + 1
-        self.method.after_inner_step()
-        guard = self.method.guard
-        if guard is not None and guard.restart_inner:
-            # its own update was rejected: it took the synced weights; the optimizer's state,
-            # poisoned by the same gradients, starts afresh
-            self.inner.state.clear()
-            guard.restart_inner = False
-            print(f"noloco: replica {self.lay.replica}: its own update was rejected at step "
-                  f"{st.step}; it took the synced weights and restarted its optimizer",
-                  file=sys.stderr, flush=True)
-        self.membership.nudge()
+    def _counted(self, step: int) -> None:
+        self.status.step = self.membership.step = step
+
+    def _between_steps(self) -> None:
+        # (the step reaches the heartbeat from the beat thread: no store write per step here,
+        # and none that could stall a replica cut off from the store)
         self.joiner.between_steps()  # serve joiners, heal (may move the step)
-        return out
+
+    def _leave(self, ok: bool) -> None:
+        self.membership.finish(stopped=not ok)
 
     # ---- what the join protocol reads of a trainer -------------------------------------------
     def capture(self) -> dict[str, Any]:
@@ -322,25 +446,57 @@ class ElasticLoop:
     def wall_seconds(self) -> float:
         return time.perf_counter() - self.t_start
 
-    # ---- the end ------------------------------------------------------------------------------
-    def close(self, ok: bool = True) -> None:
-        """Leave the run: the syncs still in flight applied (``ok``), the run told that this
-        replica is gone, the optimizer's own ``step`` back. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+
+class StaticLoop(_Handle):
+    """One replica of a static library run (:func:`static_run` builds it): the default
+    process group's ranks are the replicas."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config
+                 ) -> None:
+        import torch.distributed as dist
+
+        from noloco.comm import TorchCommunicator
+
+        m = cfg.method
+        self.cfg, self.model, self.inner = cfg, model, optimizer
+        rank = dist.get_rank()
+        self.lay = Layout(rank=rank, world=m.replicas, local_world=1, replica=rank, stage=0,
+                          replicas=m.replicas, stages=1)
+        self.runner = _Runner(model)
+        self.state = LoopState()
+        self.comm = TorchCommunicator()
+        named = self.runner.named_parameters()
+        if not named:
+            raise RunError("static_run: the model has no trainable parameters")
+        # The run's contract, checked by every replica alike (one all-gather): what differs
+        # is said by all of them, in one line each.
+        arch = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        mine = [_digest(arch), _digest(_settings(cfg)),
+                str(weights_checksum([p for _, p in named]))]
+        with self.comm.uncounted():
+            got = self.comm.all_gather(torch.tensor([int(_digest(x)[:15], 16) for x in mine],
+                                                    dtype=torch.int64))
+        for i, why in enumerate((
+                "the model's parameters (names, shapes, dtypes) differ between replicas: "
+                "every replica must build the same architecture",
+                "the method settings differ between replicas: every replica must pass the "
+                "same method and settings",
+                "the initial weights differ between replicas: seed the model's "
+                "initialisation alike on every replica")):
+            if len({int(g[i]) for g in got}) > 1:
+                raise RunError(f"static_run: replica {rank}: {why}")
         try:
-            if ok:
-                self.method.finish()
-        finally:
-            self.membership.finish(stopped=not ok)
-            self.inner.step = self._step  # type: ignore[method-assign]
+            self.method = build_method(m, named, self.comm, seed=cfg.train.seed)
+        except ValueError as e:
+            raise RunError(f"static_run: {str(e).splitlines()[0]}") from None
+        self._wrap(optimizer)
 
-    def __enter__(self) -> ElasticLoop:
-        return self
 
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        self.close(ok=kind is None)
+def _settings(cfg: Config) -> dict[str, Any]:
+    """What every replica must share of the method: its settings, its seed (NoLoCo's groups
+    are drawn from it) and whether payloads carry MACs."""
+    return {**cfg.math_dict()["method"], "seed": cfg.train.seed,
+            "payload_mac": cfg.method.payload_mac}
 
 
 def _digest(obj: Any) -> str:

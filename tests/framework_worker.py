@@ -1,0 +1,143 @@
+"""One replica of a noloco run inside a framework's own loop (tests/test_integrations.py).
+
+    python framework_worker.py {lightning,hf} OUT --replica K --replicas N --steps S
+        [--port P (elastic: the run's store) | --init tcp://H:P (static: a gloo group)]
+        [--die-at STEP] [--step-seconds T]
+
+Writes OUT (JSON) at the end: the run's step, outer steps, joins and the final weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        out = self.body(x)
+        return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+
+def dataset(replica: int, n: int = 4096) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(replica)
+    x = torch.randn(n, 8, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    return [{"x": x[i], "labels": y[i]} for i in range(n)]
+
+
+def settings(a: argparse.Namespace) -> dict:
+    if a.port:
+        return {"coordinator": f"127.0.0.1:{a.port}", "run_id": f"fw-{a.framework}",
+                "replica": a.replica, "replicas": a.replicas, "sync_every": 5,
+                "peer_timeout": 6.0}
+    return {"sync_every": 5}
+
+
+class Dier:
+    """Kills this process (SIGKILL) once the run reaches a step; paces the steps."""
+
+    def __init__(self, at: int, pace: float) -> None:
+        self.at, self.pace = at, pace
+
+    def check(self, step: int) -> None:
+        if self.at and step >= self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.pace)
+
+
+def with_lightning(a: argparse.Namespace, model: Net, dier: Dier) -> object:
+    import lightning.pytorch as pl
+
+    from noloco.integrations.lightning import NolocoCallback
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch: dict, idx: int) -> torch.Tensor:
+            return self.net(batch["x"], batch["labels"])["loss"]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    class Die(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, idx) -> None:
+            dier.check(cb.run.step)
+            print(f"step {cb.run.step}", flush=True)
+
+    cb = NolocoCallback("diloco", **settings(a))
+    trainer = pl.Trainer(max_steps=a.steps, callbacks=[cb, Die()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1,
+                         default_root_dir=tempfile.mkdtemp())
+    loader = torch.utils.data.DataLoader(dataset(a.replica), batch_size=16, shuffle=True,
+                                         generator=torch.Generator().manual_seed(a.replica))
+    trainer.fit(Module(), loader)
+    return cb.run
+
+
+def with_hf(a: argparse.Namespace, model: Net, dier: Dier) -> object:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from noloco.integrations.hf import NolocoTrainerCallback
+
+    class Die(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw) -> None:
+            dier.check(cb.run.step)
+            print(f"step {cb.run.step}", flush=True)
+
+    cb = NolocoTrainerCallback("diloco", **settings(a))
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=a.steps,
+                             per_device_train_batch_size=16, learning_rate=1e-2,
+                             report_to=[], save_strategy="no", logging_strategy="no",
+                             use_cpu=True, disable_tqdm=True, seed=a.replica,
+                             dataloader_num_workers=0, lr_scheduler_type="constant")
+    Trainer(model=model, args=args, train_dataset=dataset(a.replica),
+            callbacks=[cb, Die()]).train()
+    return cb.run
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("framework", choices=["lightning", "hf"])
+    p.add_argument("out")
+    p.add_argument("--replica", type=int, required=True)
+    p.add_argument("--replicas", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--port", type=int)
+    p.add_argument("--init")
+    p.add_argument("--die-at", type=int, default=0)
+    p.add_argument("--step-seconds", type=float, default=0.0)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    if a.init:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=a.init, rank=a.replica,
+                                world_size=a.replicas)
+    torch.manual_seed(0)  # the same initial weights on every replica
+    model = Net()
+    train = with_lightning if a.framework == "lightning" else with_hf
+    run = train(a, model, Dier(a.die_at, a.step_seconds))
+    with open(a.out, "w") as f:
+        json.dump({"replica": a.replica, "step": run.step, "outer_steps": run.outer_steps,
+                   "joins": run.joins,
+                   "weights": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
