@@ -1,4 +1,6 @@
-"""One replica of a noloco run inside a framework's own loop (tests/test_integrations.py).
+"""One replica of a noloco run inside a framework's own loop (tests/test_integrations.py):
+a small MLP in a LightningModule, or a small Hugging Face model (a two-block Llama) in the
+Hugging Face Trainer.
 
     python framework_worker.py {lightning,hf} OUT --replica K --replicas N --steps S
         [--port P (elastic: the run's store) | --init tcp://H:P (static: a gloo group)]
@@ -89,7 +91,23 @@ def with_lightning(a: argparse.Namespace, model: Net, dier: Dier) -> object:
     return cb.run
 
 
-def with_hf(a: argparse.Namespace, model: Net, dier: Dier) -> object:
+def hf_model() -> nn.Module:
+    """A small Hugging Face model (a two-block Llama, built from its config: no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)  # the same initial weights on every replica
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def hf_dataset(replica: int, n: int = 2048) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(replica)
+    ids = torch.randint(0, 64, (n, 16), generator=g)
+    return [{"input_ids": ids[i], "labels": ids[i]} for i in range(n)]
+
+
+def with_hf(a: argparse.Namespace, model: nn.Module, dier: Dier) -> object:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from noloco.integrations.hf import NolocoTrainerCallback
@@ -105,7 +123,7 @@ def with_hf(a: argparse.Namespace, model: Net, dier: Dier) -> object:
                              report_to=[], save_strategy="no", logging_strategy="no",
                              use_cpu=True, disable_tqdm=True, seed=a.replica,
                              dataloader_num_workers=0, lr_scheduler_type="constant")
-    Trainer(model=model, args=args, train_dataset=dataset(a.replica),
+    Trainer(model=model, args=args, train_dataset=hf_dataset(a.replica),
             callbacks=[cb, Die()]).train()
     return cb.run
 
@@ -129,7 +147,7 @@ def main() -> int:
         dist.init_process_group("gloo", init_method=a.init, rank=a.replica,
                                 world_size=a.replicas)
     torch.manual_seed(0)  # the same initial weights on every replica
-    model = Net()
+    model = Net() if a.framework == "lightning" else hf_model()
     train = with_lightning if a.framework == "lightning" else with_hf
     run = train(a, model, Dier(a.die_at, a.step_seconds))
     with open(a.out, "w") as f:
