@@ -2,6 +2,7 @@
 
     python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
         [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
+        [--checkpoint-dir D]
 
 Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
 
@@ -39,6 +40,7 @@ def main() -> int:
     p.add_argument("--sync-every", type=int, default=5)
     p.add_argument("--secret-file")
     p.add_argument("--step-seconds", type=float, default=0.0, help="pace the loop")
+    p.add_argument("--checkpoint-dir")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
@@ -48,7 +50,7 @@ def main() -> int:
         run = join_run(model, opt, coordinator=f"127.0.0.1:{a.port}", run_id="lib",
                        replica=a.replica, replicas=a.replicas, method=a.method,
                        sync_every=a.sync_every, peer_timeout=6.0, comm_timeout=30.0,
-                       secret_file=a.secret_file)
+                       secret_file=a.secret_file, checkpoint_dir=a.checkpoint_dir)
     except RunError as e:
         print(f"refused: {e}", file=sys.stderr, flush=True)
         return 2

@@ -225,3 +225,33 @@ def test_static_run_needs_a_process_group():
     model = nn.Linear(2, 1)
     with pytest.raises(RunError, match="torch.distributed is not initialised"):
         static_run(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+@pytest.mark.slow("replica processes, one started again after the others finished")
+@pytest.mark.timeout(240)
+def test_a_replica_with_nobody_left_to_join_goes_on_from_its_own_checkpoint(tmp_path, host):
+    """With checkpoint_dir, a replica saves its own checkpoints (every outer step). Killed
+    at step 12, and started again only after the others finished, it finds no live replica
+    to take a state from: it goes on from its own checkpoint of step 10, alone, to the end.
+    Without checkpoint_dir the same restart is refused in one line."""
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    other = worker(host.port, 0, 2, 30, tmp_path / "out0.json", "--step-seconds", "0.05",
+                   *ckpt)
+    first = worker(host.port, 1, 2, 30, tmp_path / "out1.json", "--die-at", "12",
+                   "--step-seconds", "0.05", *ckpt)
+    first.communicate(timeout=120)
+    assert first.returncode == -9
+    (code, err), = finish([other])
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "ckpt" / "replica-0").is_dir()
+    again = worker(host.port, 1, 2, 30, tmp_path / "out1.json", *ckpt)
+    (code, err), = finish([again])
+    assert code == 0, err[-3000:]
+    assert "goes on from its own checkpoint at step 10" in err
+    res = json.loads((tmp_path / "out1.json").read_text())
+    assert res["first_step"] == 10 and res["step"] == 30
+    assert [j["kind"] for j in res["joins"]] == ["own checkpoint"]
+    # without checkpoints of its own: one line, exit 2
+    bare = worker(host.port, 0, 2, 30, tmp_path / "out0b.json")
+    (code, err), = finish([bare])
+    assert code == 2 and "has no checkpoint of its own (no checkpoint_dir)" in err, err

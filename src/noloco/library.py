@@ -30,8 +30,9 @@ The contract (docs/library.md):
   from the same weights (seed the initialisation): both checked when the replica joins, by
   a fingerprint in the run's store;
 - every replica passes the same method settings: checked the same way;
-- the handle owns the method's state; the loop owns its data order (read :attr:`step`) and
-  its model's own checkpoints.
+- the handle owns the method's state and, with ``checkpoint_dir``, its checkpoints (with the
+  model's weights and the optimizer's state beside it, one consistent step); the loop owns
+  its data order (read :attr:`step`) and its model's own checkpoints.
 
 Bad input — another model, other settings, a wrong secret, a coordinator that cannot be
 reached — raises :class:`RunError` (one line, nothing written into the run) before the
@@ -53,6 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from noloco import checkpoint as ckpt_mod
 from noloco.addresses import ETCD_SCHEME, parse_address
 from noloco.comm import NullCommunicator
 from noloco.config import Config, ConfigError, MethodConfig, TrainConfig
@@ -65,7 +67,7 @@ from noloco.elastic.deadline import (
     request_deadline,
     wait_reachable,
 )
-from noloco.elastic.join import Joiner
+from noloco.elastic.join import Joiner, NoDonor
 from noloco.elastic.keys import starts_key
 from noloco.elastic.membership import Membership, live_replicas
 from noloco.integrity import Sealer, payload_key
@@ -88,12 +90,18 @@ class RunError(ConfigError):
 def join_run(model: nn.Module, optimizer: torch.optim.Optimizer, *, coordinator: str,
              run_id: str, replica: int, replicas: int, method: str = "diloco",
              secret_file: str | None = None, seed: int = 0, peer_timeout: float = 10.0,
-             comm_timeout: float = 120.0, **settings: Any) -> ElasticLoop:
+             comm_timeout: float = 120.0, checkpoint_dir: str | Path | None = None,
+             checkpoint_every: int | None = None, **settings: Any) -> ElasticLoop:
     """Replica ``replica`` of ``replicas`` joins run ``run_id`` at ``coordinator``
     (``HOST:PORT`` of a ``noloco coordinator``, or ``etcd://H:P,...``), with ``method`` and
     its ``settings`` (the :class:`noloco.config.MethodConfig` fields, as the CLI's flags:
-    ``sync_every``, ``outer_lr``, ``outer_momentum``, ``compress``, ``fragments``, ...). See
-    the module docstring; :class:`RunError` on bad input."""
+    ``sync_every``, ``outer_lr``, ``outer_momentum``, ``compress``, ``fragments``, ...).
+    ``checkpoint_dir``: this replica's own checkpoints go under it (``replica-K/``), every
+    ``checkpoint_every`` steps (default: every outer step) and when it leaves; a replica
+    started again that finds no live replica to join goes on from its newest. See the module
+    docstring; :class:`RunError` on bad input."""
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise RunError(f"join_run: checkpoint_every must be at least 1, not {checkpoint_every}")
     _check_inputs("join_run", model, optimizer, method, settings, LIBRARY_METHODS,
                   "is not served by an elastic run")
     if not 0 <= replica < replicas:
@@ -102,7 +110,9 @@ def join_run(model: nn.Module, optimizer: torch.optim.Optimizer, *, coordinator:
                   peer_timeout=peer_timeout, comm_timeout=comm_timeout, settings=settings,
                   train=dict(coordinator=coordinator, run_id=run_id, secret_file=secret_file,
                              seed=seed))
-    return ElasticLoop(model, optimizer, cfg, replica)
+    return ElasticLoop(model, optimizer, cfg, replica,
+                       None if checkpoint_dir is None else Path(checkpoint_dir),
+                       checkpoint_every or cfg.method.sync_every or 1)
 
 
 def static_run(model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -185,22 +195,32 @@ class _Runner:
         return [p for _, p in self.named_parameters()]
 
 
-class _Checkpoints:
-    """No checkpoints of the handle's own yet: a restarted process joins from a donor."""
+class _NoCheckpoints:
+    """No ``checkpoint_dir``: a restarted process joins from a donor, or fails."""
 
     enabled = False
     root = Path("/nonexistent/noloco-library")
+    saved_step: int | None = None
+
+    def due(self, step: int) -> bool:
+        return False
 
     def save(self, step: int, state: dict[str, Any]) -> None:
+        pass
+
+    def poll(self) -> None:
         pass
 
     def wait(self) -> None:
         pass
 
+    def close(self, wait: bool = True) -> None:
+        pass
+
 
 class _LoopJoiner(Joiner):
     def checkpoint_root(self) -> Path:
-        return _Checkpoints.root
+        return self.trainer.ckpt.root
 
 
 class _Handle:
@@ -272,7 +292,11 @@ class _Handle:
                   f"{st.step}; it took the synced weights and restarted its optimizer",
                   file=sys.stderr, flush=True)
         self._between_steps()
+        self._after_step(self.state.step)
         return loss
+
+    def _after_step(self, step: int) -> None:
+        """After everything of a step: its checkpoint, when one is due."""
 
     def _counted(self, step: int) -> None:
         """The step just counted (heartbeats carry it)."""
@@ -313,7 +337,8 @@ class ElasticLoop(_Handle):
     serves, and the wrapped ``optimizer.step``."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
-                 replica: int) -> None:
+                 replica: int, checkpoint_dir: Path | None = None,
+                 checkpoint_every: int = 1) -> None:
         m, t = cfg.method, cfg.train
         self.cfg, self.model, self.inner = cfg, model, optimizer
         self.lay = Layout(rank=replica, world=m.replicas, local_world=1, replica=replica,
@@ -328,7 +353,11 @@ class ElasticLoop(_Handle):
         self.reader = _NoReader()
         self.status = _Status()
         self.state = LoopState()
-        self.ckpt = _Checkpoints()
+        self.ckpt: Any = _NoCheckpoints()
+        if checkpoint_dir is not None:
+            self.ckpt = ckpt_mod.Checkpointer(checkpoint_dir / f"replica-{replica}", 0, 1,
+                                              cfg.math_hash(), checkpoint_every,
+                                              align=m.sync_every or 1)
         self.resumed_from: int | None = None
         self.t_start = self.t_loop = time.perf_counter()
         try:  # what the method will cut the model into, before anything reaches the run
@@ -402,7 +431,14 @@ class ElasticLoop(_Handle):
             if joins:
                 try:
                     self.joiner.join()
-                except ConfigError as e:  # (NoDonor: nobody left to take a state from)
+                except NoDonor as e:
+                    # Nobody left to take a state from: its own newest checkpoint, if any.
+                    if not self._resume():
+                        where = "" if self.ckpt.enabled else " (no checkpoint_dir)"
+                        raise RunError(f"join_run: replica {replica}: "
+                                       f"{str(e).splitlines()[0]}, and it has no checkpoint "
+                                       f"of its own{where}") from None
+                except ConfigError as e:
                     raise RunError(f"join_run: replica {replica}: "
                                    f"{str(e).splitlines()[0]}") from None
             self.membership.step = self.status.step = self.state.step
@@ -434,11 +470,61 @@ class ElasticLoop(_Handle):
         self.joiner.between_steps()  # serve joiners, heal (may move the step)
 
     def _leave(self, ok: bool) -> None:
-        self.membership.finish(stopped=not ok)
+        try:
+            if ok and self.ckpt.enabled and self.ckpt.saved_step != self.state.step:
+                self.ckpt.save(self.state.step, self.capture())  # where it left
+            self.ckpt.close(wait=True)
+        finally:
+            self.membership.finish(stopped=not ok)
+
+    # ---- checkpoints of its own ---------------------------------------------------------------
+    def capture(self) -> dict[str, Any]:
+        """What this replica's own checkpoint holds (the CLI's format): the model's weights
+        and the optimizer's state beside the method's, so that a replica going on from it
+        alone is consistent — the loop's own model checkpoints are its own affair."""
+        return {
+            "format": ckpt_mod.FORMAT, "step": self.state.step, "rank": self.lay.rank,
+            "config_hash": self.cfg.math_hash(),
+            "model": dict(self.runner.named_parameters()),
+            "optimizer": self.inner.state_dict(), "method": self.method.state_dict(),
+            "reader": {}, "rng": ckpt_mod.rng_state(), "comm": self.comm.state_dict(),
+            "runner": {}, "loop": {"step": self.state.step},
+        }
+
+    @torch.no_grad()
+    def _resume(self) -> bool:
+        """Go on from its own newest checkpoint: False when there is none."""
+        if not self.ckpt.enabled:
+            return False
+        step, sd = ckpt_mod.agree_on_step(self.ckpt.root, 0, self.cfg.math_hash(),
+                                          lambda x: [x])
+        if step is None:
+            return False
+        named = dict(self.runner.named_parameters())
+        if set(named) != set(sd["model"]):
+            raise RunError(f"join_run: replica {self.lay.replica}: its checkpoint in "
+                           f"{self.ckpt.root} holds other parameters than this model")
+        for name, p in named.items():
+            p.copy_(sd["model"][name])
+        self.inner.load_state_dict(sd["optimizer"])
+        self.method.load_state_dict(sd["method"])
+        self.comm.load_state_dict(sd["comm"])
+        ckpt_mod.set_rng_state(sd["rng"])
+        self.state.step = self.status.step = self.membership.step = int(step)
+        self.resumed_from = self.ckpt.saved_step = int(step)
+        self.joiner.joins.append({"kind": "own checkpoint", "replica": self.lay.replica,
+                                  "stage": 0, "step": int(step),
+                                  "why": "no live replica to join", "t": time.time()})
+        print(f"noloco: replica {self.lay.replica} found no live replica to join; it goes on "
+              f"from its own checkpoint at step {step}", file=sys.stderr, flush=True)
+        return True
+
+    def _after_step(self, step: int) -> None:
+        if self.ckpt.due(step):
+            self.ckpt.save(step, self.capture())
+        self.ckpt.poll()
 
     # ---- what the join protocol reads of a trainer -------------------------------------------
-    def capture(self) -> dict[str, Any]:
-        return {"step": self.state.step}
 
     def loop_seconds(self) -> float:
         return time.perf_counter() - self.t_loop
