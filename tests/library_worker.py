@@ -2,7 +2,7 @@
 
     python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
         [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
-        [--checkpoint-dir D]
+        [--checkpoint-dir D] [--coordinator etcd://...]
 
 Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
 
@@ -41,13 +41,15 @@ def main() -> int:
     p.add_argument("--secret-file")
     p.add_argument("--step-seconds", type=float, default=0.0, help="pace the loop")
     p.add_argument("--checkpoint-dir")
+    p.add_argument("--coordinator", help="instead of 127.0.0.1:PORT (etcd://...)")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
     model = nn.Sequential(nn.Linear(8, a.hidden), nn.Tanh(), nn.Linear(a.hidden, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     try:
-        run = join_run(model, opt, coordinator=f"127.0.0.1:{a.port}", run_id="lib",
+        run = join_run(model, opt, coordinator=a.coordinator or f"127.0.0.1:{a.port}",
+                       run_id="lib",
                        replica=a.replica, replicas=a.replicas, method=a.method,
                        sync_every=a.sync_every, peer_timeout=6.0, comm_timeout=30.0,
                        secret_file=a.secret_file, checkpoint_dir=a.checkpoint_dir)
@@ -68,6 +70,7 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
     with open(a.out, "w") as f:
         json.dump({"replica": a.replica, "step": run.step, "first_step": first,
+                   "bytes_sent": run.bytes_sent,
                    "outer_steps": run.outer_steps, "joins": run.joins,
                    "weights": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
     return 0

@@ -255,3 +255,42 @@ def test_a_replica_with_nobody_left_to_join_goes_on_from_its_own_checkpoint(tmp_
     bare = worker(host.port, 0, 2, 30, tmp_path / "out0b.json")
     (code, err), = finish([bare])
     assert code == 2 and "has no checkpoint of its own (no checkpoint_dir)" in err, err
+
+
+@pytest.mark.slow("two replica processes per method")
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["noloco", "streaming", "sparseloco"])
+def test_every_elastic_method_runs_in_a_plain_loop(tmp_path, host, method):
+    """NoLoCo (pairs), Streaming DiLoCo and SparseLoCo around the same plain loop: outer steps
+    every H = 5 steps, bytes sent; Streaming and SparseLoCo (one outcome for all) end on the
+    same weights."""
+    procs = [worker(host.port, r, 2, 20, tmp_path / f"out{r}.json", "--method", method,
+                    "--step-seconds", "0.02") for r in range(2)]
+    for code, err in finish(procs):
+        assert code == 0, err[-3000:]
+        no_cpp_dump(err)
+    res = results(tmp_path, 2)
+    assert all(x["step"] == 20 and x["outer_steps"] >= 3 and x["bytes_sent"] > 0
+               for x in res), [(x["step"], x["outer_steps"], x["bytes_sent"]) for x in res]
+    if method != "noloco":
+        assert res[0]["weights"] == res[1]["weights"]
+
+
+@pytest.mark.slow("an etcd cluster and two replica processes")
+@pytest.mark.timeout(180)
+def test_a_plain_loop_meets_at_an_etcd_cluster(tmp_path):
+    """coordinator="etcd://...": no noloco coordinator runs; the replicas meet through etcd."""
+    from etcd_cluster import Cluster, available
+
+    ok, why = available()
+    if not ok:
+        pytest.skip(why)
+    with Cluster(tmp_path / "etcd") as c:
+        procs = [worker(0, r, 2, 20, tmp_path / f"out{r}.json", "--coordinator", c.address,
+                        "--step-seconds", "0.02") for r in range(2)]
+        for code, err in finish(procs):
+            assert code == 0, err[-3000:]
+            no_cpp_dump(err)
+    res = results(tmp_path, 2)
+    assert all(x["step"] == 20 and x["outer_steps"] >= 3 for x in res)
+    assert res[0]["weights"] == res[1]["weights"]
