@@ -9,6 +9,7 @@ says where the restarted replica rejoined and whether every replica ended on the
 weights (DiLoCo's outer step leaves them equal).
 
     python examples/elastic_loop.py [--steps 60] [--kill-at 15] [--sync-every 5]
+        [--step-seconds 0.2]
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from torch import nn
 REPLICAS = 4
 
 
-def replica_main(port: int, replica: int, steps: int, sync_every: int, out: str) -> int:
+def replica_main(port: int, replica: int, steps: int, sync_every: int, out: str,
+                 step_seconds: float) -> int:
     """One replica: an ordinary loop; the run happens inside ``optimizer.step()``."""
     from noloco.library import RunError, join_run
 
@@ -57,7 +59,7 @@ def replica_main(port: int, replica: int, steps: int, sync_every: int, out: str)
             optimizer.step()
             optimizer.zero_grad()
             print(f"step {run.step} loss {loss.item():.4f}", flush=True)
-            time.sleep(0.05)  # (a real step takes longer; this leaves the restart time)
+            time.sleep(step_seconds)  # (a real step takes longer: time for the restart)
     Path(out).write_text(json.dumps({
         "started_at": started_at, "step": run.step, "outer_steps": run.outer_steps,
         "joins": run.joins, "loss": loss.item(),
@@ -70,11 +72,15 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--kill-at", type=int, default=15, help="kill replica 2 after this step")
     p.add_argument("--sync-every", type=int, default=5, help="DiLoCo's H")
+    p.add_argument("--step-seconds", type=float, default=0.2,
+                   help="each replica's step takes at least this long (the toy model's would "
+                   "take milliseconds: the others would finish before the restart)")
     p.add_argument("--replica", nargs=4, help=argparse.SUPPRESS)  # (a replica process)
     a = p.parse_args()
     if a.replica:
         port, replica, out, _ = a.replica
-        return replica_main(int(port), int(replica), a.steps, a.sync_every, out)
+        return replica_main(int(port), int(replica), a.steps, a.sync_every, out,
+                            a.step_seconds)
 
     from noloco.elastic.host import Host
 
@@ -87,8 +93,9 @@ def main() -> int:
     def start(r: int) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, __file__, "--steps", str(a.steps), "--sync-every",
-             str(a.sync_every), "--replica", str(host.port), str(r), str(tmp / f"{r}.json"),
-             "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             str(a.sync_every), "--step-seconds", str(a.step_seconds), "--replica",
+             str(host.port), str(r), str(tmp / f"{r}.json"), "x"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
     try:
         procs = {r: start(r) for r in range(REPLICAS)}

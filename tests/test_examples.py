@@ -68,8 +68,9 @@ def test_two_machines_recipe_in_two_network_namespaces(tmp_path, corpus) -> None
 def test_elastic_loop_example() -> None:
     """examples/elastic_loop.py: a plain loop in four processes, one killed (SIGKILL) and
     started again; it rejoins from a donor and every replica ends on the same weights."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "elastic_loop.py"), "--steps", "40",
-                           "--kill-at", "12"], capture_output=True, text=True, timeout=230)
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "elastic_loop.py"), "--steps", "50",
+                           "--kill-at", "10", "--step-seconds", "0.3"], capture_output=True,
+                          text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "replica 2 rejoined at step" in proc.stdout
-    assert "all 4 replicas finished 40 steps; the same weights on every replica" in proc.stdout
+    assert "all 4 replicas finished 50 steps; the same weights on every replica" in proc.stdout

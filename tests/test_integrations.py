@@ -81,7 +81,8 @@ def test_an_elastic_framework_replica_killed_and_started_again_rejoins(tmp_path,
     """Three elastic replicas, each a framework's loop; replica 1 is killed (SIGKILL) at
     step 12 of 50 and started again: it takes a donor's state, the framework trains on
     from the run's step, and all three finish at step 50 on the same weights."""
-    pace = ["--port", str(host.port), "--step-seconds", "0.15"]
+    # (paced: the others must still train when the restarted one has imported its framework)
+    pace = ["--port", str(host.port), "--step-seconds", "0.3"]
     others = [worker(framework, tmp_path / f"{r}.json", r, 3, 50, *pace) for r in (0, 2)]
     first = worker(framework, tmp_path / "1.json", 1, 3, 50, "--die-at", "12", *pace)
     first.communicate(timeout=200)

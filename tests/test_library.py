@@ -83,7 +83,7 @@ def test_a_killed_replica_started_again_rejoins_from_a_donor(tmp_path, host):
     """Replica 1 is killed (SIGKILL) at step 12 of 80; its launcher (here, the test) starts
     it again: it takes a live replica's state inside join_run, resumes at the donor's step
     and finishes with the others, on the same weights."""
-    pace = ["--step-seconds", "0.1"]
+    pace = ["--step-seconds", "0.15"]  # (the others still train when it is back)
     others = [worker(host.port, r, 3, 80, tmp_path / f"out{r}.json", *pace) for r in (0, 2)]
     first = worker(host.port, 1, 3, 80, tmp_path / "out1.json", "--die-at", "12", *pace)
     first.communicate(timeout=120)
@@ -294,3 +294,75 @@ def test_a_plain_loop_meets_at_an_etcd_cluster(tmp_path):
     res = results(tmp_path, 2)
     assert all(x["step"] == 20 and x["outer_steps"] >= 3 for x in res)
     assert res[0]["weights"] == res[1]["weights"]
+
+
+def test_lbfgs_is_refused():
+    model = nn.Linear(2, 1)
+    with pytest.raises(RunError, match="LBFGS"):
+        join_run(model, torch.optim.LBFGS(model.parameters()), coordinator="127.0.0.1:1",
+                 run_id="x", replica=0, replicas=2)
+
+
+def test_steps_that_stop_reaching_the_run_are_said(monkeypatch):
+    """A framework whose optimizer steps no longer reach the run (something replaced
+    optimizer.step after the run wrapped it) fails in one line instead of training apart."""
+    from types import SimpleNamespace
+
+    from noloco.integrations import RunRequest
+
+    req = RunRequest("diloco")
+    req.run = SimpleNamespace(step=0)  # type: ignore[assignment]
+    req.check_reached(1)  # (one step may still be on its way)
+    with pytest.raises(RunError, match="2 optimizer steps did not reach the noloco run"):
+        req.check_reached(2)
+    req.run = SimpleNamespace(step=2)  # type: ignore[assignment]
+    req.check_reached(2)
+
+
+def test_a_scheduler_built_after_the_run_still_reaches_it(monkeypatch):
+    """torch's LR schedulers re-bind ``optimizer.step.__func__`` to the optimizer: the run's
+    step must survive that; and closing leaves the scheduler's wrapper working."""
+    import torch.distributed as dist
+    from dist_utils import free_port
+
+    from noloco.library import static_run
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+        run = static_run(model, opt, method="diloco", sync_every=2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        with run:
+            for _ in range(4):
+                model(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+        assert run.step == 4 and run.outer_steps == 2
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()  # closed: the optimizer's own step, through the scheduler's wrapper
+        assert run.step == 4
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow("a store hosted in this process")
+@pytest.mark.timeout(60)
+def test_a_first_start_into_old_checkpoints_is_refused(tmp_path, host, monkeypatch):
+    """A replica's first start in a run, into a checkpoint_dir that holds checkpoints (of an
+    earlier run): refused in one line, nothing of them read or pruned."""
+    from noloco import checkpoint as ckpt_mod
+    from noloco.elastic import auth
+
+    for name in ("_secret", "_to_coordinator"):  # join_run sets them for the process
+        monkeypatch.setattr(auth, name, getattr(auth, name))
+    old = ckpt_mod.step_dir(tmp_path / "ckpt" / "replica-0", 40)
+    old.mkdir(parents=True)
+    model = nn.Linear(2, 1)
+    with pytest.raises(RunError, match="holds checkpoints of an earlier run"):
+        join_run(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                 coordinator=f"127.0.0.1:{host.port}", run_id="old", replica=0, replicas=2,
+                 checkpoint_dir=tmp_path / "ckpt", peer_timeout=2.0, comm_timeout=5.0)
+    assert old.is_dir()

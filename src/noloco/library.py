@@ -47,6 +47,7 @@ import hashlib
 import json
 import sys
 import time
+import types
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,10 @@ from noloco.train import LoopState, weights_checksum
 
 LIBRARY_METHODS = ("noloco", "diloco", "streaming", "sparseloco")
 """the methods an elastic run serves"""
-STATIC_METHODS = ("ddp", *LIBRARY_METHODS)
-"""the methods of a static library run (DDP: every inner step's gradients averaged)"""
+STATIC_METHODS = LIBRARY_METHODS
+"""the methods of a static library run (per-step gradient averaging is torch's own DDP's
+job: averaged inside ``optimizer.step()`` it would undo a clip or a GradScaler's unscale
+done before it)"""
 _FINGERPRINT_KEY = "noloco/library/{}"
 
 
@@ -142,6 +145,9 @@ def _check_inputs(fn: str, model: Any, optimizer: Any, method: str, settings: di
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise RunError(f"{fn}: optimizer must be a torch.optim.Optimizer, not "
                        f"{type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise RunError(f"{fn}: LBFGS evaluates its closure several times inside one step: "
+                       f"not supported (one closure call, then the step)")
     if method not in allowed:
         raise RunError(f"{fn}: method {method!r} {why}: choose from {', '.join(allowed)}")
     known = {f.name for f in fields(MethodConfig)} - {"method", "replicas", "stages",
@@ -237,7 +243,15 @@ class _Handle:
     def _wrap(self, optimizer: torch.optim.Optimizer) -> None:
         self._closed = False
         self._step = optimizer.step
-        optimizer.step = self._wrapped_step  # type: ignore[method-assign]
+        handle = self
+
+        def step(opt: torch.optim.Optimizer, closure: Any = None) -> Any:
+            return handle._wrapped_step(closure)
+
+        # A method of the optimizer (not of this handle): an LR scheduler built later re-binds
+        # ``step.__func__`` to the optimizer, and must still reach this handle.
+        self._installed = types.MethodType(step, optimizer)
+        optimizer.step = self._installed  # type: ignore[method-assign]
 
     # ---- what the loop reads ---------------------------------------------------------------
     @property
@@ -272,8 +286,8 @@ class _Handle:
             return self._step(closure)
         loss = None
         if closure is not None:
-            # (Lightning, and torch's LBFGS-style loops, compute the gradients inside
-            # step(): they must exist before the method's gradient sync)
+            # (Lightning computes the gradients inside step(closure): they must exist
+            # before the method's part; the closure is called once, as SGD or AdamW do)
             with torch.enable_grad():
                 loss = closure()
         self.method.sync_gradients()
@@ -319,7 +333,9 @@ class _Handle:
             raise
         finally:
             self._leave(ok)
-            self.inner.step = self._step  # type: ignore[method-assign]
+            if self.inner.step == self._installed:
+                self.inner.step = self._step  # type: ignore[method-assign]
+            # (else something wrapped it since, a scheduler: it passes through, closed)
 
     def _leave(self, ok: bool) -> None:
         pass
@@ -406,6 +422,12 @@ class ElasticLoop(_Handle):
             self._agree(store, "start", str(weights_checksum(self.params)),
                         "its initial weights differ from those the run started from: seed "
                         "the model's initialisation alike on every replica")
+        if self.ckpt.enabled and store.add(starts_key(replica, 0), 0) == 0 \
+                and ckpt_mod.steps_on_disk(self.ckpt.root):
+            # Its first start in this run: checkpoints there are another run's (or this
+            # run's before its coordinator restarted empty), and would pass for its own.
+            raise RunError(f"join_run: replica {replica}: {self.ckpt.root} holds checkpoints "
+                           f"of an earlier run: move them away or pass another checkpoint_dir")
         incarnation = store.add(starts_key(replica, 0), 1) - 1
         # A replica started again, or for the first time while the others have trained,
         # takes a live state before its first step (out of snapshots meanwhile).

@@ -34,6 +34,16 @@ class RunRequest:
         if self.run is not None:
             self.run.close(ok=ok)
 
+    def check_reached(self, framework_steps: int) -> None:
+        """The framework has taken ``framework_steps`` optimizer steps: if none of them
+        reached the run, something replaced the optimizer's ``step`` after the run wrapped
+        it (accelerate's fp16 GradScaler does): say so instead of training apart."""
+        run = self.run
+        if run is not None and framework_steps >= 2 and run.step == 0:
+            raise RunError(f"{type(self).__name__}: {framework_steps} optimizer steps did not "
+                           f"reach the noloco run: something replaced optimizer.step after "
+                           f"the run wrapped it")
+
     def reached(self, max_steps: int) -> bool:
         """Whether the run's step (a joiner's is its donor's) reached ``max_steps`` (> 0)."""
         return self.run is not None and 0 < max_steps <= self.run.step

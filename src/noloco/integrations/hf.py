@@ -43,9 +43,14 @@ class NolocoTrainerCallback(RunRequest, TrainerCallback):
                        optimizer: Any = None, **kwargs: Any) -> None:
         if model is None or optimizer is None:
             raise RunError("NolocoTrainerCallback: the Trainer passed no model or optimizer")
+        if getattr(optimizer, "scaler", None) is not None:
+            # (accelerate's fp16 step re-installs the optimizer's original step each time)
+            raise RunError("NolocoTrainerCallback: fp16 with a GradScaler is not supported: "
+                           "train in bf16 or fp32")
         self.start(model, optimizer)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.check_reached(state.global_step)
         if self.reached(args.max_steps):
             control.should_training_stop = True
 

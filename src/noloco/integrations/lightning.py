@@ -50,6 +50,7 @@ class NolocoCallback(RunRequest, pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.check_reached(trainer.global_step)
         if self.reached(trainer.max_steps):
             trainer.should_stop = True
 
