@@ -366,3 +366,24 @@ def test_a_first_start_into_old_checkpoints_is_refused(tmp_path, host, monkeypat
                  coordinator=f"127.0.0.1:{host.port}", run_id="old", replica=0, replicas=2,
                  checkpoint_dir=tmp_path / "ckpt", peer_timeout=2.0, comm_timeout=5.0)
     assert old.is_dir()
+
+
+@pytest.mark.slow("three replica processes, one started late")
+@pytest.mark.timeout(180)
+def test_a_replica_that_starts_late_takes_the_live_state(tmp_path, host):
+    """A replica whose first start comes after the others have trained (a machine that
+    came up late) does not start from step 0: it takes a live replica's state before its
+    first step and ends with the others on the same weights."""
+    pace = ["--step-seconds", "0.15"]
+    early = [worker(host.port, r, 3, 40, tmp_path / f"out{r}.json", *pace) for r in (0, 1)]
+    assert early[0].stdout is not None
+    for line in early[0].stdout:  # until the run has trained a while
+        if line.startswith("step 10 "):
+            break
+    late = worker(host.port, 2, 3, 40, tmp_path / "out2.json", *pace)
+    for code, err in finish([*early, late]):
+        assert code == 0, err[-3000:]
+    res = results(tmp_path, 3)
+    assert res[2]["first_step"] >= 10 and "joined" in [j["kind"] for j in res[2]["joins"]]
+    assert all(x["step"] == 40 for x in res)
+    assert all(x["weights"] == res[0]["weights"] for x in res)
