@@ -101,8 +101,9 @@ def main() -> int:
         procs = {r: start(r) for r in range(REPLICAS)}
         victim = procs[2]
         assert victim.stdout is not None
-        for line in victim.stdout:  # until it reports the step to die at
-            if line.startswith(f"step {a.kill_at} "):
+        for line in victim.stdout:  # until it reports the step to die at (or one past it:
+            # a process that started late took a live state at a later step)
+            if line.startswith("step ") and int(line.split()[1]) >= a.kill_at:
                 victim.send_signal(signal.SIGKILL)
                 break
         victim.wait()

@@ -2,7 +2,7 @@
 
     python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
         [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
-        [--checkpoint-dir D] [--coordinator etcd://...]
+        [--checkpoint-dir D] [--coordinator etcd://...] [--barrier DIR]
 
 Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
 
@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -42,6 +43,9 @@ def main() -> int:
     p.add_argument("--step-seconds", type=float, default=0.0, help="pace the loop")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--coordinator", help="instead of 127.0.0.1:PORT (etcd://...)")
+    p.add_argument("--barrier", help="DIR: after joining, wait until REPLICAS replicas have "
+                   "(a file each in DIR): replicas that start together train together, "
+                   "however slowly each process starts")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
@@ -57,6 +61,12 @@ def main() -> int:
         print(f"refused: {e}", file=sys.stderr, flush=True)
         return 2
     first = run.step
+    if a.barrier:
+        Path(a.barrier, f"ready-{a.replica}").touch()
+        deadline = time.monotonic() + 120
+        while (len(list(Path(a.barrier).glob("ready-*"))) < a.replicas
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
     with run:
         while run.step < a.steps:
             x, y = batch(a.replica, run.step)

@@ -64,8 +64,8 @@ def no_cpp_dump(text: str) -> None:
 def test_a_plain_loop_trains_as_replicas_of_one_run(tmp_path, host):
     """Three processes, each its own loop, model and AdamW: outer steps happen inside
     optimizer.step(), every H = 5 steps; DiLoCo ends every outer step on the same weights."""
-    procs = [worker(host.port, r, 3, 30, tmp_path / f"out{r}.json", "--step-seconds", "0.02")
-             for r in range(3)]
+    procs = [worker(host.port, r, 3, 30, tmp_path / f"out{r}.json", "--step-seconds", "0.02",
+                    "--barrier", str(tmp_path)) for r in range(3)]
     for code, err in finish(procs):
         assert code == 0, err[-3000:]
         no_cpp_dump(err)
@@ -83,7 +83,9 @@ def test_a_killed_replica_started_again_rejoins_from_a_donor(tmp_path, host):
     """Replica 1 is killed (SIGKILL) at step 12 of 80; its launcher (here, the test) starts
     it again: it takes a live replica's state inside join_run, resumes at the donor's step
     and finishes with the others, on the same weights."""
-    pace = ["--step-seconds", "0.15"]  # (the others still train when it is back)
+    # (paced: the others still train when it is back; started together, however slowly
+    # each process starts)
+    pace = ["--step-seconds", "0.15", "--barrier", str(tmp_path)]
     others = [worker(host.port, r, 3, 80, tmp_path / f"out{r}.json", *pace) for r in (0, 2)]
     first = worker(host.port, 1, 3, 80, tmp_path / "out1.json", "--die-at", "12", *pace)
     first.communicate(timeout=120)
@@ -235,10 +237,11 @@ def test_a_replica_with_nobody_left_to_join_goes_on_from_its_own_checkpoint(tmp_
     to take a state from: it goes on from its own checkpoint of step 10, alone, to the end.
     Without checkpoint_dir the same restart is refused in one line."""
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    together = ["--barrier", str(tmp_path)]
     other = worker(host.port, 0, 2, 30, tmp_path / "out0.json", "--step-seconds", "0.05",
-                   *ckpt)
+                   *ckpt, *together)
     first = worker(host.port, 1, 2, 30, tmp_path / "out1.json", "--die-at", "12",
-                   "--step-seconds", "0.05", *ckpt)
+                   "--step-seconds", "0.05", *ckpt, *together)
     first.communicate(timeout=120)
     assert first.returncode == -9
     (code, err), = finish([other])
@@ -265,7 +268,7 @@ def test_every_elastic_method_runs_in_a_plain_loop(tmp_path, host, method):
     every H = 5 steps, bytes sent; Streaming and SparseLoCo (one outcome for all) end on the
     same weights."""
     procs = [worker(host.port, r, 2, 20, tmp_path / f"out{r}.json", "--method", method,
-                    "--step-seconds", "0.02") for r in range(2)]
+                    "--step-seconds", "0.02", "--barrier", str(tmp_path)) for r in range(2)]
     for code, err in finish(procs):
         assert code == 0, err[-3000:]
         no_cpp_dump(err)
@@ -287,7 +290,8 @@ def test_a_plain_loop_meets_at_an_etcd_cluster(tmp_path):
         pytest.skip(why)
     with Cluster(tmp_path / "etcd") as c:
         procs = [worker(0, r, 2, 20, tmp_path / f"out{r}.json", "--coordinator", c.address,
-                        "--step-seconds", "0.02") for r in range(2)]
+                        "--step-seconds", "0.02", "--barrier", str(tmp_path))
+                 for r in range(2)]
         for code, err in finish(procs):
             assert code == 0, err[-3000:]
             no_cpp_dump(err)
