@@ -2,7 +2,8 @@
 
     python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
         [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
-        [--checkpoint-dir D] [--coordinator etcd://...] [--barrier DIR]
+        [--checkpoint-dir D] [--coordinator etcd://...] [--barrier DIR] [--mark FILE]
+        [--hold STEP:FILE]
 
 Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
 
@@ -43,6 +44,8 @@ def main() -> int:
     p.add_argument("--step-seconds", type=float, default=0.0, help="pace the loop")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--coordinator", help="instead of 127.0.0.1:PORT (etcd://...)")
+    p.add_argument("--mark", help="FILE: touched when this replica starts, before it joins")
+    p.add_argument("--hold", help="STEP:FILE: at STEP, wait until FILE exists (at most 120 s)")
     p.add_argument("--barrier", help="DIR: after joining, wait until REPLICAS replicas have "
                    "(a file each in DIR): replicas that start together train together, "
                    "however slowly each process starts")
@@ -51,6 +54,8 @@ def main() -> int:
     torch.manual_seed(a.seed)
     model = nn.Sequential(nn.Linear(8, a.hidden), nn.Tanh(), nn.Linear(a.hidden, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if a.mark:
+        Path(a.mark).touch()
     try:
         run = join_run(model, opt, coordinator=a.coordinator or f"127.0.0.1:{a.port}",
                        run_id="lib",
@@ -76,6 +81,10 @@ def main() -> int:
             opt.zero_grad()
             print(f"step {run.step} loss {loss.item():.4f}", flush=True)
             time.sleep(a.step_seconds)
+            if a.hold and run.step == int(a.hold.split(":")[0]):
+                deadline = time.monotonic() + 120
+                while not Path(a.hold.split(":", 1)[1]).exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             if a.die_at and run.step == a.die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
     with open(a.out, "w") as f:
