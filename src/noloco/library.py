@@ -57,7 +57,6 @@ from torch import nn
 
 from noloco import checkpoint as ckpt_mod
 from noloco.addresses import ETCD_SCHEME, parse_address
-from noloco.comm import NullCommunicator
 from noloco.config import Config, ConfigError, MethodConfig, TrainConfig
 from noloco.distributed import Layout
 from noloco.elastic import auth
@@ -109,7 +108,7 @@ def join_run(model: nn.Module, optimizer: torch.optim.Optimizer, *, coordinator:
                   "is not served by an elastic run")
     if not 0 <= replica < replicas:
         raise RunError(f"join_run: replica {replica} outside 0..{replicas - 1}")
-    cfg = _config("join_run", MethodConfig, method=method, replicas=replicas, elastic=True,
+    cfg = _config("join_run", method=method, replicas=replicas, elastic=True,
                   peer_timeout=peer_timeout, comm_timeout=comm_timeout, settings=settings,
                   train=dict(coordinator=coordinator, run_id=run_id, secret_file=secret_file,
                              seed=seed))
@@ -132,7 +131,7 @@ def static_run(model: nn.Module, optimizer: torch.optim.Optimizer, *,
     if not dist.is_initialized():
         raise RunError("static_run: torch.distributed is not initialised "
                        "(init_process_group first, or run under torchrun)")
-    cfg = _config("static_run", MethodConfig, method=method,
+    cfg = _config("static_run", method=method,
                   replicas=dist.get_world_size(), elastic=False, settings=settings,
                   train=dict(seed=seed))
     return StaticLoop(model, optimizer, cfg)
@@ -158,12 +157,12 @@ def _check_inputs(fn: str, model: Any, optimizer: Any, method: str, settings: di
                        f"settings are those of noloco.config.MethodConfig")
 
 
-def _config(fn: str, method_cls: type[MethodConfig], *, settings: dict[str, Any],
+def _config(fn: str, *, settings: dict[str, Any],
             train: dict[str, Any], **method: Any) -> Config:
     """The run's one config tree, resolved as the CLI resolves it (method defaults,
     validation): bad values are a RunError of one line."""
     try:
-        cfg = Config(method=method_cls(**method, **settings),
+        cfg = Config(method=MethodConfig(**method, **settings),
                      train=TrainConfig(out="(the loop's own)", checkpoint_every="0", **train))
         return cfg.resolved()
     except (ConfigError, ValueError, TypeError) as e:
@@ -442,7 +441,6 @@ class ElasticLoop(_Handle):
             secret = auth.current_secret()
             if secret is not None and m.payload_mac:
                 self.comm.sealer = Sealer(payload_key(secret))
-            self.world = NullCommunicator()
             try:
                 self.method = build_method(m, self.runner.named_parameters(), self.comm,
                                            seed=t.seed)
