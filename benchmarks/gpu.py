@@ -17,8 +17,10 @@ Steps (each in its own try: an error is recorded and the others still run; the s
   against ``--checkpoint-every 0``: the wall
   time of each and the share of the checkpointed run's wall the checkpoints cost.
 - ``generate``: ``--new-tokens`` (200) sampled from the model the checkpoint step trained, on
-  the CPU and on the GPU (``noloco.generate``, key/value cache, the same seed): tokens/s of
-  each, their ratio (issue target ≥ 10×) and whether the texts agree.
+  the CPU, on the GPU with the one-token step replayed as a CUDA graph, and on the GPU stepping
+  eagerly (``noloco.generate``, static key/value cache, the same seed): tokens/s of each, the
+  graphed GPU's ratio to the CPU (issue target ≥ 10×) and the eager one's, and whether the
+  texts agree.
 - ``codecs``: FP4 block quantisation (``noloco.quant``) and chunk-wise top-k
   (``noloco.sparse``, ``--topk``, default 2 % with 2-bit values) of the same random input on
   CPU and GPU tensors: the time of each, and whether the encoded bytes agree. Three inputs:
@@ -532,31 +534,38 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
         run = tmp / "gen_model"
         run_noloco(noloco_argv(a, run, "--method", "single", "--steps", str(a.warmup_steps + 3),
                                "--eval-every", "1000", "--checkpoint-every", "0"))
-    sides = ["cpu", "cuda"] if a.device == "cuda" else ["cpu", "cpu"]
+    # (device, CUDA graph): the CPU; the GPU with its step captured as a graph; the GPU
+    # stepping eagerly (what the graph saves). On the CPU the script checks itself: CPU twice.
+    sides = ([("cpu", False), ("cuda", True), ("cuda", False)] if a.device == "cuda"
+             else [("cpu", False), ("cpu", False)])
     out: dict[str, Any] = {"model_run": str(run), "trained_by_checkpoint_step": trained,
                            "new_tokens": a.new_tokens, "cpu_threads": torch.get_num_threads(),
                            "sides": []}
     texts = []
-    for dev in sides:
+    for dev, graph in sides:
         s = load_sampler(run).to(resolve_device(dev))
         ids = s.encode(PROMPT)
         with torch.no_grad():
-            sample(s, ids, 4, 0.8, 40, seed=1)  # warm-up: kernels, allocator, cuBLAS handles
+            sample(s, ids, 4, 0.8, 40, seed=1, graph=graph)  # warm-up: kernels, cuBLAS, pools
             sync(dev)
             reset_peak(dev)
             t0 = time.perf_counter()
-            new = sample(s, ids, a.new_tokens, 0.8, 40, seed=0)
+            new = sample(s, ids, a.new_tokens, 0.8, 40, seed=0, graph=graph)
             sync(dev)
             sec = time.perf_counter() - t0
-            greedy = sample(s, ids, min(a.new_tokens, 32), 0.0, None, seed=0)
+            greedy = sample(s, ids, min(a.new_tokens, 32), 0.0, None, seed=0, graph=graph)
         texts.append((new, greedy))
-        out["sides"].append({"device": dev, "seconds": sec, "tokens_per_second":
-                             a.new_tokens / sec, "peak_gpu_bytes": peak_bytes(dev)})
+        out["sides"].append({"device": dev, "cuda_graph": graph, "seconds": sec,
+                             "tokens_per_second": a.new_tokens / sec,
+                             "peak_gpu_bytes": peak_bytes(dev)})
         del s
         free_memory()
-    out["ratio"] = out["sides"][1]["tokens_per_second"] / out["sides"][0]["tokens_per_second"]
-    out["same_sampled_tokens"] = texts[0][0] == texts[1][0]
-    out["same_greedy_tokens"] = texts[0][1] == texts[1][1]
+    cpu_tps = out["sides"][0]["tokens_per_second"]
+    out["ratio"] = out["sides"][1]["tokens_per_second"] / cpu_tps
+    if len(sides) > 2:
+        out["eager_ratio"] = out["sides"][2]["tokens_per_second"] / cpu_tps
+    out["same_sampled_tokens"] = all(t[0] == texts[0][0] for t in texts)
+    out["same_greedy_tokens"] = all(t[1] == texts[0][1] for t in texts)
     out["target_ratio"] = GENERATE_TARGET
     out["meets_target"] = out["ratio"] >= GENERATE_TARGET if a.device == "cuda" else None
     out["sample_text"] = bytes(t for t in texts[-1][0] if t < 256).decode("utf-8", "replace")
@@ -753,10 +762,10 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                          f"({100 * v['blocked_share_of_train']:.2f}% of the loop)")
         elif name == "generate":
             s = v["sides"]
-            lines.append(f"{name:<14} {s[0]['device']} {s[0]['tokens_per_second']:,.1f} tok/s | "
-                         f"{s[1]['device']} {s[1]['tokens_per_second']:,.1f} tok/s | ratio "
-                         f"{v['ratio']:.1f} (target {GENERATE_TARGET:g}) | same tokens "
-                         f"{v['same_sampled_tokens']}")
+            sides = " | ".join(f"{x['device']}{' graph' if x.get('cuda_graph') else ''} "
+                               f"{x['tokens_per_second']:,.1f} tok/s" for x in s)
+            lines.append(f"{name:<14} {sides} | ratio {v['ratio']:.1f} (target "
+                         f"{GENERATE_TARGET:g}) | same tokens {v['same_sampled_tokens']}")
         elif name == "shared":
             for run, x in v["runs"].items():
                 g = x.get("gpu") or {}
@@ -821,7 +830,8 @@ def plot(rec: dict[str, Any], path: Path) -> None:
             ax.legend()
         elif panel == "generate":
             s = gen["result"]["sides"]
-            ax.bar([f"{x['device']} ({i})" for i, x in enumerate(s)],
+            ax.bar([f"{x['device']}{' graph' if x.get('cuda_graph') else ''} ({i})"
+                    for i, x in enumerate(s)],
                    [x["tokens_per_second"] for x in s])
             ax.set_title(f"generate: {gen['result']['ratio']:.1f}x")
             ax.set_ylabel("tokens / second")

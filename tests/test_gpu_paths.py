@@ -28,18 +28,25 @@ def run(tmp_path_factory) -> Path:
 
 def reference_sample(path: Path, prompt: str, max_tokens: int, temperature: float, top_k: int,
                      seed: int) -> str:
-    """The sampler as it was before --device (CPU, no key/value cache): every token recomputes
-    the whole window, is sampled from the top-k with a CPU generator of ``seed``."""
+    """The sampling rule written out plainly (CPU, no key/value cache, no tensors where a list
+    will do): every token recomputes the whole window; the seed's generator draws one uniform
+    per token up front; the token is the first of the top-k, likeliest first, whose cumulative
+    probability exceeds that draw times the top-k's total."""
     s = load_sampler(path)
-    g = torch.Generator().manual_seed(seed)
+    draws = torch.rand(max_tokens, generator=torch.Generator().manual_seed(seed)).tolist()
     ids, new = s.encode(prompt) or [0], []
     with torch.no_grad():
-        for _ in range(max_tokens):
+        for u in draws:
             window = (ids + new)[-s.context:]
             logits = s.logits(torch.tensor([window], dtype=torch.long))[0].float() / temperature
-            kth = torch.topk(logits, top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-            new.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g)))
+            top = torch.topk(logits, top_k)
+            total, chosen = 0.0, None
+            probs = torch.softmax(top.values, -1).tolist()
+            for p, token in zip(probs, top.indices.tolist(), strict=True):
+                total += p
+                if total > u * sum(probs) and chosen is None:
+                    chosen = token
+            new.append(top.indices.tolist()[-1] if chosen is None else chosen)
     return s.decode(new)
 
 
@@ -52,6 +59,46 @@ def test_generate_on_the_cpu_keeps_its_tokens(run, capsys) -> None:
     assert main(["generate", str(run), "--prompt", "def ", "--max-tokens", "24", "--seed", "7",
                  "--device", "cpu"]) == 0
     assert capsys.readouterr().out == "def " + cpu + "\n"
+
+
+def test_the_draw_picks_by_cumulative_probability() -> None:
+    from noloco.generate import pick
+
+    logits = torch.log(torch.tensor([0.1, 0.5, 0.0, 0.4]))  # likeliest first: 1, 3, 0 (2: never)
+    picks = [int(pick(logits, torch.tensor([u]), 1.0, None)) for u in (0.0, 0.49, 0.51, 0.89,
+                                                                        0.91, 0.999)]
+    assert picks == [1, 1, 3, 3, 0, 0]
+    # top-k 2 renormalises over tokens 1 and 3 (0.5 / 0.9 = 0.556 of the mass is token 1)
+    assert [int(pick(logits, torch.tensor([u]), 1.0, 2)) for u in (0.55, 0.56, 0.999)] == [1, 3, 3]
+    assert int(pick(logits, torch.tensor([0.99]), 0.0, 2)) == 1  # greedy
+    # a low temperature sharpens towards the likeliest
+    assert int(pick(logits, torch.tensor([0.9]), 0.05, None)) == 1
+
+
+@pytest.mark.timeout(120)
+def test_the_cached_sampler_equals_recomputing_every_window(capsys) -> None:
+    """The static cache (sampled on the model's device, read once) gives the tokens that
+    recomputing each window gives, across the point where the text outgrows the context
+    (the cached part ends and the window slides), sampled and greedy. A CUDA graph asked for
+    where there is none is said in one line and the step runs eagerly: the same tokens."""
+    from noloco.generate import _Sampler, sample
+    from noloco.model import ModelArgs, build
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=40, max_seq_len=24)
+    model = build(args, seed=5).eval()
+    s = _Sampler(lambda x: model(x)[:, -1], None, None, args.max_seq_len, model=model)
+    ids = [3, 1, 4, 1, 5, 9, 2]
+    n = s.context - len(ids) + 6  # 5 tokens past the context's end
+    with torch.no_grad():
+        for temperature, top_k in ((0.8, 40), (0.0, None), (1.0, None)):
+            slow = sample(s, ids, n, temperature, top_k, seed=3, cache=False)
+            assert sample(s, ids, n, temperature, top_k, seed=3) == slow
+        short = sample(s, ids, 9, 0.8, 40, seed=4, cache=False)
+        capsys.readouterr()
+        assert sample(s, ids, 9, 0.8, 40, seed=4, graph=True) == short
+    err = capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert err.count("\n") == 1 and "CUDA graph capture failed" in err, err
 
 
 @pytest.mark.timeout(240)

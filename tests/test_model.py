@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from noloco.model import PRESETS, ModelArgs, Transformer, build, count_params, lm_loss, preset
@@ -67,16 +68,30 @@ def test_large_presets_build_on_meta_device():
 def test_kv_cache_gives_the_logits_of_the_whole_sequence():
     from noloco.model import KVCache
 
-    m = build(ModelArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=50), seed=3).eval()
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=50, max_seq_len=16)
+    m = build(args, seed=3).eval()
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = m(tokens)
-        cache = KVCache()
+        cache = KVCache(args, 2, 12, "cpu")
         # a prompt of 5, then a chunk of 3 (masked within itself), then one token at a time
         parts = [m(tokens[:, :5], cache), m(tokens[:, 5:8], cache)]
         parts += [m(tokens[:, i:i + 1], cache) for i in range(8, 12)]
-    assert cache.length == 12
+        assert cache.length == 12 and int(cache.position) == 12
+        # the buffers are static: one more position does not fit, said before anything runs
+        with pytest.raises(ValueError, match="do not fit"):
+            m(tokens[:, :1], cache)
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
     # and the cache is not a no-op: a token fed without its history gives other logits
     with torch.no_grad():
         assert not torch.allclose(m(tokens[:, 11:12])[:, -1], full[:, -1], atol=1e-3)
+    # a slot written ahead of the position (a captured step's warm-up) stays masked out until
+    # the position reaches it and a forward writes it again
+    with torch.no_grad():
+        cache = KVCache(args, 2, 12, "cpu")
+        cache.k.normal_()
+        cache.v.normal_()
+        parts = [m(tokens[:, :6], cache)] + [m(tokens[:, i:i + 1], cache) for i in range(6, 12)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="context is 16"):
+        KVCache(args, 1, 17, "cpu")

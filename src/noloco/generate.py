@@ -4,16 +4,19 @@ worked.
 The model comes from a run directory (``model/``: a replica or the replicas' average) with
 the tokenizer the run trained with, or from a Hugging Face model directory
 (``config.json`` + weights + tokenizer, e.g. one written by ``noloco export``).
-Sampling: temperature, then top-k, one token at a time over the last ``max_seq_len`` tokens.
-The built-in model keeps its keys and values (:class:`noloco.model.KVCache`), so each new
-token costs one position's work while the text fits its context; past it the window slides
-and every token recomputes its window (rotary positions restart with it), as without a cache.
-Hugging Face models sample through transformers' own ``generate()``.
+Sampling: temperature, then top-k, one token at a time over the last ``max_seq_len`` tokens;
+the seed draws one uniform number per token and the token is the first of the top-k whose
+cumulative probability exceeds it (:func:`pick`).
+The built-in model keeps its keys and values in a static cache (:class:`noloco.model.KVCache`),
+so each new token costs one position's work while the text fits its context; past it the
+window slides and every token recomputes its window (rotary positions restart with it), as
+without a cache. Hugging Face models sample through transformers' own ``generate()``.
 
-``--device`` (auto, cpu, cuda; auto is the GPU where there is one) holds the model and its key
-and value cache; the weights are read on the CPU (as ``noloco export`` reads them: it needs no
-GPU) and moved there. Each token's logits come back to the CPU to be sampled there with the
-seed's own generator, so a seed picks the same tokens on either device while the logits agree.
+``--device`` (auto, cpu, cuda; auto is the GPU where there is one) holds the model, its cache
+and the sampling; the weights are read on the CPU (as ``noloco export`` reads them: it needs no
+GPU) and moved there. The draws come from the seed's CPU generator, so a seed picks the same
+tokens on either device while the logits agree. The cached loop never waits for the device (the
+tokens are read once, at the end), and on a GPU its one-token step is a CUDA graph replayed.
 
 Floor 6 of docs/architecture.md: launching and watching runs, and what reads a run directory.
 """
@@ -21,6 +24,7 @@ Floor 6 of docs/architecture.md: launching and watching runs, and what reads a r
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -149,36 +153,112 @@ def generate(path: str | Path, prompt: str, max_tokens: int = 200, temperature: 
     return s.decode(sample(s, ids, max_tokens, temperature, top_k, seed, cache))
 
 
+def pick(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int | None
+         ) -> torch.Tensor:
+    """The token that the uniform draw ``u`` (shape (1,), in [0, 1)) picks from ``logits``
+    (the vocabulary's, 1-D): divided by the temperature, cut to the ``top_k`` likeliest, then
+    the first whose cumulative probability exceeds ``u`` (inverse CDF). Greedy at temperature 0.
+    On the logits' device, shape (1,), with no host read: a captured step can hold it, and a
+    seed's draws pick the same tokens on every device while the logits agree."""
+    if temperature == 0:
+        return logits.argmax(-1, keepdim=True)
+    z = logits.float() / temperature
+    k = z.numel() if top_k is None else min(top_k, z.numel())
+    values, index = torch.topk(z, k)  # descending
+    cdf = torch.cumsum(torch.softmax(values, -1), -1)
+    j = torch.searchsorted(cdf, u.to(cdf.dtype) * cdf[-1:], right=True).clamp_(max=k - 1)
+    return index[j]
+
+
 def sample(s: _Sampler, ids: list[int], max_tokens: int, temperature: float,
-           top_k: int | None, seed: int, cache: bool = True) -> list[int]:
+           top_k: int | None, seed: int, cache: bool = True, graph: bool | None = None
+           ) -> list[int]:
+    """``max_tokens`` token ids after ``ids``. The seed's CPU generator draws one uniform per
+    token up front (:func:`pick`). While the text fits the context the built-in model runs on
+    its key/value cache (:func:`_cached`); past it the window slides and every token
+    recomputes its window (as ``cache=False`` does throughout). ``graph``: replay the cached
+    step as a CUDA graph (default: on a GPU; never on the CPU)."""
+    u = torch.rand(max_tokens, generator=torch.Generator().manual_seed(seed)).to(s.device)
+    new: list[int] = []
+    if cache and s.model is not None and 0 < len(ids) <= s.context and max_tokens > 0:
+        n = min(max_tokens, s.context - len(ids) + 1)
+        use_graph = s.device.type == "cuda" if graph is None else graph
+        new = _cached(s.model, ids, n, u, temperature, top_k, use_graph)
+    for i in range(len(new), max_tokens):  # the sliding window (or no cache)
+        window = torch.tensor([(ids + new)[-s.context:]], dtype=torch.long, device=s.device)
+        new.append(int(pick(s.logits(window)[0], u[i:i + 1], temperature, top_k)))
+    return new
+
+
+def _cached(model: Any, ids: list[int], n: int, u: torch.Tensor, temperature: float,
+            top_k: int | None, graph: bool) -> list[int]:
+    """``n`` tokens after ``ids`` on a static key/value cache of exactly the positions they
+    need. The prompt goes in one forward; every later token is one step that reads its input
+    token, its draw and its output slot from device tensors, so the loop never waits for the
+    device and the host reads the tokens once, at the end. On a GPU the step is captured once
+    as a CUDA graph and replayed: a token then costs one launch instead of one per kernel."""
     from noloco.model import KVCache
 
-    g = torch.Generator().manual_seed(seed)
-    new: list[int] = []
-    kv = KVCache() if cache and s.model is not None else None
-    for _ in range(max_tokens):
-        window = (ids + new)[-s.context:]
-        if kv is not None and len(ids) + len(new) <= s.context:
-            # the window still starts at the first token: feed only what the cache lacks
-            x = torch.tensor([window[kv.length:]], dtype=torch.long, device=s.device)
-            logits = s.model(x, kv)[0, -1]
-        else:  # the window slides (or no cache): recompute it whole
-            kv = None
-            logits = s.logits(torch.tensor([window], dtype=torch.long, device=s.device))[0]
-        # Sampled on the CPU with the seed's CPU generator: one vocabulary-sized copy per
-        # token (the token must come back to extend the window anyway), and a seed draws the
-        # same tokens on every device.
-        logits = logits.float().cpu()
-        if temperature == 0:
-            nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                kth = torch.topk(logits, top_k).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
-        new.append(nxt)
-    return new
+    device = u.device
+    dtype = next(model.parameters()).dtype
+    kv = KVCache(model.args, 1, len(ids) + n - 1, device, dtype)
+    out = torch.empty(n, dtype=torch.long, device=device)
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    first = pick(model(x, kv)[0, -1], u[:1], temperature, top_k)
+    out[:1].copy_(first)
+    token = first.view(1, 1).clone()
+    at = torch.ones(1, dtype=torch.long, device=device)  # the index of the token being drawn
+
+    def step() -> None:
+        nxt = pick(model(token, kv)[0, -1], u.index_select(0, at), temperature, top_k)
+        out.index_copy_(0, at, nxt)
+        token.copy_(nxt.view(1, 1))
+        at.add_(1)
+
+    left = n - 1
+    if graph and left >= 3:
+        replay = _capture(step, kv, token, at)
+        if replay is not None:
+            for _ in range(left):
+                replay.replay()
+            left = 0
+    for _ in range(left):
+        step()
+    return out.tolist()
+
+
+def _capture(step: Any, kv: Any, token: torch.Tensor, at: torch.Tensor) -> Any:
+    """``step`` as a CUDA graph, the state as it was before (the warm-up step's writes are
+    undone: its cache slot is masked until a replay writes it again). None, said in one line,
+    where capture fails: the caller runs the step eagerly, with the same numbers."""
+    saved = kv.position.clone(), kv.length, token.clone(), at.clone()
+
+    def restore() -> None:
+        kv.position.copy_(saved[0])
+        kv.length = saved[1]
+        token.copy_(saved[2])
+        at.copy_(saved[3])
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # kernels, cuBLAS handles and the allocator warmed
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        restore()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        restore()
+        return g
+    except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        restore()
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        print(f"noloco: generate: CUDA graph capture failed ({line}); stepping eagerly",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def add_subparser(sub: Any) -> None:

@@ -71,13 +71,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                dtype: torch.dtype, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of positions start .. start + seq_len - 1, shape (seq_len, head_dim/2),
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of positions 0 .. seq_len - 1, shape (seq_len, head_dim/2),
     computed on the fly (cheap, never stored, so a model built on the meta device costs
-    nothing; a cached generation step computes its own positions only)."""
+    nothing; a :class:`KVCache` keeps the table of its own positions)."""
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
                           / head_dim)
-    ang = torch.outer(torch.arange(start, start + seq_len, device=device,
+    ang = torch.outer(torch.arange(seq_len, device=device,
                                    dtype=torch.float32), inv)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
@@ -108,16 +108,15 @@ class Attention(nn.Module):
         b, t, d = x.shape
         q, k, v = (w(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        start = 0 if cache is None else cache.length
-        cos, sin = rope_tables(t, self.head_dim, self.theta, x.device, q.dtype, start)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         mask, causal = None, True
+        if cache is None:
+            cos, sin = rope_tables(t, self.head_dim, self.theta, x.device, q.dtype)
+        else:
+            cos, sin = cache.rope(t, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.append(self, k, v)
-            if start > 0:  # new query i sees every cached key and the new ones up to itself
-                causal = False
-                if t > 1:
-                    mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)
+            mask, causal = cache.mask(t), False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0
@@ -126,22 +125,64 @@ class Attention(nn.Module):
 
 
 class KVCache:
-    """Keys and values of the positions seen so far, per attention layer, for generation:
-    each new token then costs one position's work instead of the whole context's. Positions
-    continue from ``length`` (the rotary angles of a cached key never change)."""
+    """Keys and values of the positions seen so far, for generation: each new token then
+    costs one position's work instead of the whole context's.
 
-    def __init__(self) -> None:
-        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    Static: every layer's keys and values live in buffers of ``size`` positions allocated
+    once, and the next position is a device tensor (``position``). A forward writes its
+    positions in place and attends over the whole buffer through a mask (a key at a position
+    not yet written is masked out), so a one-token step has the same shapes and the same
+    memory every time and launches no host-dependent work: it can be captured in a CUDA graph
+    and replayed (:mod:`noloco.generate`). ``length`` is the host's count of the positions
+    written, kept by eager forwards only (a replayed graph runs no Python)."""
+
+    def __init__(self, args: ModelArgs, batch: int, size: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.float32) -> None:
+        if not 0 < size <= args.max_seq_len:
+            raise ValueError(f"a cache of {size} positions (the model's context is "
+                             f"{args.max_seq_len})")
+        shape = (args.n_layers, batch, args.n_heads, size, args.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.size = size
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        """the next position to write (a device tensor, advanced in place)"""
         self.length = 0
-        """positions cached (every layer holds the same number once a forward has run)"""
+        self._slot: dict[int, int] = {}  # id(attention layer) -> its index in the buffers
+        self._offsets = torch.arange(size, device=device)
+        cos, sin = rope_tables(size, args.head_dim, args.rope_theta, torch.device(device),
+                               torch.float32)
+        self._cos, self._sin = cos, sin
+        self._t = 0  # positions in the forward under way (set by rope, read by mask)
+
+    def _positions(self, t: int) -> torch.Tensor:
+        # checked on the host's count (reading ``position`` would wait for the device); a
+        # caller that replays a captured step keeps within ``size`` itself
+        if self.length + t > self.size:
+            raise ValueError(f"{self.length} + {t} positions do not fit a cache of {self.size}")
+        return self.position + self._offsets[:t]
+
+    def rope(self, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the ``t`` positions from ``position`` on."""
+        at = self._positions(t)
+        return self._cos[at].to(dtype), self._sin[at].to(dtype)
 
     def append(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        old = self.kv.get(id(layer))
-        if old is not None:
-            k, v = torch.cat((old[0], k), dim=2), torch.cat((old[1], v), dim=2)
-        self.kv[id(layer)] = (k, v)
-        return k, v
+        """Write ``layer``'s new keys and values at their positions; its whole buffers back."""
+        i = self._slot.setdefault(id(layer), len(self._slot))
+        at = self._positions(k.size(2))
+        self.k[i].index_copy_(2, at, k.to(self.k.dtype))
+        self.v[i].index_copy_(2, at, v.to(self.v.dtype))
+        return self.k[i].to(k.dtype), self.v[i].to(v.dtype)
+
+    def mask(self, t: int) -> torch.Tensor:
+        """(t, size): new query i (at position + i) sees the keys at positions up to its own."""
+        return self._offsets[None, :] <= self._positions(t)[:, None]
+
+    def advance(self, t: int) -> None:
+        self.position += t
+        self.length += t
 
 
 class SwiGLU(nn.Module):
@@ -198,7 +239,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cache)
         if cache is not None:
-            cache.length += tokens.size(1)
+            cache.advance(tokens.size(1))
         return self.output(self.norm(h))
 
 
