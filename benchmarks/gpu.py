@@ -33,6 +33,9 @@ Steps (each in its own try: an error is recorded and the others still run; the s
 - ``simulate``: ``noloco simulate`` of 16 tiny NoLoCo replicas in one process on the GPU and
   on the CPU, the same config: bytes and operations must agree; the losses' relative
   difference (float order) and the GPU's tokens/s against the CPU's.
+- ``library``: ``examples/elastic_loop.py`` on the device: four processes of a plain loop
+  around ``noloco.library.join_run`` share it (their tensors staged through host buffers),
+  one killed and started again; it must rejoin and all end on the same weights.
 - the device itself (head of the record): GPU name, capability, memory, torch / CUDA / cuDNN
   versions; every step records its peak GPU memory.
 
@@ -70,7 +73,7 @@ import common  # noqa: E402
 GENERATE_TARGET = 10.0
 """issue 34: the GPU samples at least 10x as many tokens per second as the CPU"""
 STEPS = ("train_fp32", "train_bf16", "train_compile", "checkpoint", "generate", "codecs",
-         "shared", "shared_vs_cpu", "shared_elastic", "simulate")
+         "shared", "shared_vs_cpu", "shared_elastic", "simulate", "library")
 SHARED = {
     "ddp": ["--method", "ddp"],
     "diloco": ["--method", "diloco"],
@@ -471,6 +474,33 @@ def shared_vs_cpu_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return out
 
 
+def library_step(a: argparse.Namespace) -> dict[str, Any]:
+    """examples/elastic_loop.py on the device: four processes of a plain loop around
+    ``noloco.library.join_run`` share it, one is killed (SIGKILL) and started again; it must
+    rejoin and every replica end on the same weights. On the CPU every tensor is staged
+    through host buffers anyway (``NOLOCO_HOST_STAGING=1``): the code a GPU's model takes."""
+    import subprocess
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "elastic_loop.py"
+    env = {**os.environ, "NOLOCO_HOST_STAGING": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        x for x in (str(Path(__file__).resolve().parents[1] / "src"),
+                    env.get("PYTHONPATH")) if x)
+    argv = [sys.executable, str(example), "--steps", "30", "--kill-at", "10", "--sync-every",
+            "5", "--step-seconds", "0.2", "--device", a.device]
+    t0 = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)
+    wall = time.perf_counter() - t0
+    out = proc.stdout
+    ok = (proc.returncode == 0 and "replica 2 rejoined at step" in out
+          and "the same weights on every replica" in out)
+    if not ok:
+        raise RuntimeError(f"elastic_loop.py exited {proc.returncode}: "
+                           f"{(out + proc.stderr).strip()[-1500:]}")
+    return {"device": a.device, "wall_seconds": wall, "replicas": 4,
+            "output": [line for line in out.splitlines() if line.startswith(("replica", "all"))]}
+
+
 def simulate_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """``noloco simulate`` (issue 35) of 16 tiny NoLoCo replicas on the device and on the
     CPU, the same config: bytes and operations equal, the losses apart by float order only
@@ -796,6 +826,9 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                 lines.append(f"codecs/{inp:<7} " + " | ".join(parts))
             if v.get("note"):
                 lines.append(f"codecs         {v['note']}")
+        elif name == "library":
+            lines.append(f"{name:<14} {v['output'][-1]} on {v['device']} "
+                         f"({v['wall_seconds']:.0f} s)")
     return lines
 
 
@@ -889,7 +922,8 @@ def main(argv: list[str] | None = None) -> int:
               ("shared", lambda: shared_step(a, tmp)),
               ("shared_vs_cpu", lambda: shared_vs_cpu_step(a, tmp)),
               ("shared_elastic", lambda: shared_elastic_step(a, tmp)),
-              ("simulate", lambda: simulate_step(a, tmp))]
+              ("simulate", lambda: simulate_step(a, tmp)),
+              ("library", lambda: library_step(a))]
     if a.only:
         steps = [(n, fn) for n, fn in steps if n in a.only.split(",")]
     try:

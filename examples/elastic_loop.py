@@ -9,7 +9,10 @@ says where the restarted replica rejoined and whether every replica ended on the
 weights (DiLoCo's outer step leaves them equal).
 
     python examples/elastic_loop.py [--steps 60] [--kill-at 15] [--sync-every 5]
-        [--step-seconds 0.2]
+        [--step-seconds 0.2] [--device cpu|cuda]
+
+With ``--device cuda`` the four replicas share the GPU (the first), and their tensors reach
+the run through pinned host buffers (an elastic run's traffic is gloo's).
 """
 
 from __future__ import annotations
@@ -32,13 +35,13 @@ REPLICAS = 4
 
 
 def replica_main(port: int, replica: int, steps: int, sync_every: int, out: str,
-                 step_seconds: float) -> int:
+                 step_seconds: float, device: str) -> int:
     """One replica: an ordinary loop; the run happens inside ``optimizer.step()``."""
     from noloco.library import RunError, join_run
 
     torch.set_num_threads(1)
     torch.manual_seed(0)  # every replica starts from the same weights
-    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     try:
         run = join_run(model, optimizer, coordinator=f"127.0.0.1:{port}", run_id="example",
@@ -52,7 +55,7 @@ def replica_main(port: int, replica: int, steps: int, sync_every: int, out: str,
         while run.step < steps:
             # the loop's own data order, keyed by the run's step (a joiner's is its donor's)
             g = torch.Generator().manual_seed(10_000 * replica + run.step)
-            x = torch.randn(32, 16, generator=g)
+            x = torch.randn(32, 16, generator=g).to(device)
             y = (x[:, :4].sum(1, keepdim=True)).tanh()
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -62,6 +65,7 @@ def replica_main(port: int, replica: int, steps: int, sync_every: int, out: str,
             time.sleep(step_seconds)  # (a real step takes longer: time for the restart)
     Path(out).write_text(json.dumps({
         "started_at": started_at, "step": run.step, "outer_steps": run.outer_steps,
+        "device": str(next(model.parameters()).device), "bytes_sent": run.bytes_sent,
         "joins": run.joins, "loss": loss.item(),
         "weights": [p.detach().flatten().tolist() for p in model.parameters()]}))
     return 0
@@ -75,12 +79,16 @@ def main() -> int:
     p.add_argument("--step-seconds", type=float, default=0.2,
                    help="each replica's step takes at least this long (the toy model's would "
                    "take milliseconds: the others would finish before the restart)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where every replica's model trains (cuda: all on the first GPU)")
     p.add_argument("--replica", nargs=4, help=argparse.SUPPRESS)  # (a replica process)
     a = p.parse_args()
     if a.replica:
         port, replica, out, _ = a.replica
         return replica_main(int(port), int(replica), a.steps, a.sync_every, out,
-                            a.step_seconds)
+                            a.step_seconds, a.device)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU is visible to torch")
 
     from noloco.elastic.host import Host
 
@@ -93,7 +101,8 @@ def main() -> int:
     def start(r: int) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, __file__, "--steps", str(a.steps), "--sync-every",
-             str(a.sync_every), "--step-seconds", str(a.step_seconds), "--replica",
+             str(a.sync_every), "--step-seconds", str(a.step_seconds), "--device", a.device,
+             "--replica",
              str(host.port), str(r), str(tmp / f"{r}.json"), "x"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -127,7 +136,7 @@ def main() -> int:
         same = all(x["weights"] == res[0]["weights"] for x in res.values())
         for r, x in res.items():
             print(f"replica {r}: {x['step']} steps, {x['outer_steps']} outer steps, "
-                  f"last loss {x['loss']:.4f}")
+                  f"{x['bytes_sent']:,} bytes sent, last loss {x['loss']:.4f} on {x['device']}")
         print(f"all {REPLICAS} replicas finished {a.steps} steps; "
               f"{'the same weights on every replica' if same else 'their weights differ'}")
         return 0 if same and joined else 1

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from noloco.library import RunError, join_run
+from noloco.staging import HostStaged
 
 
 def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +90,7 @@ def main() -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
     with open(a.out, "w") as f:
         json.dump({"replica": a.replica, "step": run.step, "first_step": first,
-                   "bytes_sent": run.bytes_sent,
+                   "bytes_sent": run.bytes_sent, "staged": isinstance(run.comm, HostStaged),
                    "outer_steps": run.outer_steps, "joins": run.joins,
                    "weights": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
     return 0

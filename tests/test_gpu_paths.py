@@ -144,6 +144,7 @@ def test_gpu_benchmark_smoke_run_on_the_cpu(tmp_path) -> None:
         assert vs["device"]["forced_host_staging"] and vs["device"]["host_staged"]
         assert vs["bytes_equal"] and vs["val_loss_relative_difference"] == 0
     assert steps["shared_elastic"]["result"]["replicas_finished"] == [0, 1]
+    assert "the same weights on every replica" in steps["library"]["result"]["output"][-1]
     sim = steps["simulate"]["result"]  # cpu against cpu: the same run twice
     assert sim["val_loss_relative_difference"] == 0 and sim["replicas"] == 4
 

@@ -79,18 +79,23 @@ def test_a_plain_loop_trains_as_replicas_of_one_run(tmp_path, host):
 
 @pytest.mark.slow("replica processes, one killed and started again")
 @pytest.mark.timeout(240)
-def test_a_killed_replica_started_again_rejoins_from_a_donor(tmp_path, host):
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "host-staged"])
+def test_a_killed_replica_started_again_rejoins_from_a_donor(tmp_path, host, staged):
     """Replica 1 is killed (SIGKILL) at step 12 of 80; its launcher (here, the test) starts
     it again: it takes a live replica's state inside join_run, resumes at the donor's step
-    and finishes with the others, on the same weights."""
+    and finishes with the others, on the same weights. Host-staged: every tensor goes
+    through host buffers (noloco.staging), the code a model on a GPU takes."""
     # (paced: the others still train when it is back; started together, however slowly
     # each process starts)
     pace = ["--step-seconds", "0.15", "--barrier", str(tmp_path)]
-    others = [worker(host.port, r, 3, 80, tmp_path / f"out{r}.json", *pace) for r in (0, 2)]
-    first = worker(host.port, 1, 3, 80, tmp_path / "out1.json", "--die-at", "12", *pace)
+    env = {"NOLOCO_HOST_STAGING": "1" if staged else "0"}
+    others = [worker(host.port, r, 3, 80, tmp_path / f"out{r}.json", *pace, env=env)
+              for r in (0, 2)]
+    first = worker(host.port, 1, 3, 80, tmp_path / "out1.json", "--die-at", "12", *pace,
+                   env=env)
     first.communicate(timeout=120)
     assert first.returncode == -9
-    again = worker(host.port, 1, 3, 80, tmp_path / "out1.json", *pace)
+    again = worker(host.port, 1, 3, 80, tmp_path / "out1.json", *pace, env=env)
     for code, err in finish([*others, again]):
         assert code == 0, err[-3000:]
         no_cpp_dump(err)
@@ -100,6 +105,7 @@ def test_a_killed_replica_started_again_rejoins_from_a_donor(tmp_path, host):
     assert rejoined["first_step"] > 12  # it went on from the donor's step, not from 0
     assert "joined" in [j["kind"] for j in rejoined["joins"]]
     assert all(x["weights"] == res[0]["weights"] for x in res)
+    assert all(x["staged"] == staged for x in res)
 
 
 @pytest.mark.slow("replica processes, one of them refused")
@@ -157,12 +163,16 @@ def test_an_unreachable_coordinator_is_one_line(monkeypatch):
     assert "\n" not in str(e.value)
 
 
-def _static_replica(rank: int, world: int, method: str, sync_every: list[int], seed: int
-                    ) -> dict:
-    """One rank of a static library run: a plain loop, 10 steps."""
+def _static_replica(rank: int, world: int, method: str, sync_every: list[int], seed: int,
+                    staged: bool = False) -> dict:
+    """One rank of a static library run: a plain loop, 10 steps (``staged``: every tensor
+    through host buffers, the code a model on a GPU takes over gloo)."""
     import torch.distributed as dist
 
     from noloco.library import static_run
+    from noloco.staging import HostStaged
+
+    os.environ["NOLOCO_HOST_STAGING"] = "1" if staged else "0"
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -181,6 +191,7 @@ def _static_replica(rank: int, world: int, method: str, sync_every: list[int], s
     assert opt.step.__func__ is type(opt).step  # (close gave the optimizer its own step back)
     dist.barrier()
     return {"step": run.step, "outer_steps": run.outer_steps, "bytes": run.bytes_sent,
+            "staged": isinstance(run.comm, HostStaged),
             "weights": [p.detach().clone() for p in model.parameters()]}
 
 
@@ -196,6 +207,40 @@ def test_a_static_run_of_a_plain_loop():
     assert all(r["bytes"] > 0 for r in got)
     assert all(torch.equal(a, b) for a, b in zip(got[0]["weights"], got[1]["weights"],
                                                   strict=True))
+    # through host buffers (a GPU's path over gloo): the same run, bit for bit and byte for byte
+    staged = run_ranks(_static_replica, 2, "diloco", [5, 5], 0, True)
+    assert [r["staged"] for r in staged] == [True, True] and not got[0]["staged"]
+    assert [r["bytes"] for r in staged] == [r["bytes"] for r in got]
+    assert all(torch.equal(a, b) for a, b in zip(staged[0]["weights"], got[0]["weights"],
+                                                  strict=True))
+
+
+@pytest.mark.parametrize("backend,device,forced,staged,why", [
+    ("gloo", "cpu", False, False, None),
+    ("gloo", "cpu", True, True, None),
+    ("gloo", "cuda", False, True, None),  # gloo cannot send a CUDA tensor point to point
+    ("cpu:gloo,cuda:nccl", "cuda", False, False, None),
+    ("cpu:gloo,cuda:nccl", "cpu", False, None, "NCCL carries CUDA tensors only"),
+    ("nccl", "cuda", False, None, "init_process_group('cpu:gloo,cuda:nccl')"),
+])
+def test_a_static_run_picks_its_path_by_the_group_and_the_device(backend, device, forced,
+                                                                   staged, why):
+    from noloco.library import static_path
+
+    if why is None:
+        assert static_path(backend, torch.device(device), forced) is staged
+    else:
+        with pytest.raises(RunError, match=r"static_run: .*") as e:
+            static_path(backend, torch.device(device), forced)
+        assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_model_spread_over_devices_is_refused_in_one_line():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1, device="meta"))
+    with pytest.raises(RunError, match="must all be on one device") as e:
+        join_run(model, torch.optim.SGD(model.parameters(), lr=0.1), coordinator="127.0.0.1:1",
+                 run_id="x", replica=0, replicas=2)
+    assert "cpu, meta" in str(e.value)
 
 
 @pytest.mark.slow("two processes in a gloo group")

@@ -34,6 +34,12 @@ The contract (docs/library.md):
   model's weights and the optimizer's state beside it, one consistent step); the loop owns
   its data order (read :attr:`step`) and its model's own checkpoints.
 
+On a GPU: the model's parameters may live on one CUDA device (all on the same one). An elastic
+run's traffic is gloo's (it crosses the internet), so its tensors go through pinned host
+buffers (:class:`noloco.staging.HostStaged`); a static run goes through NCCL where the caller's
+process group has it (``cpu:gloo,cuda:nccl``: the start-up checks are CPU tensors), and
+through gloo on host copies otherwise (replicas sharing a GPU, which NCCL cannot serve).
+
 Bad input — another model, other settings, a wrong secret, a coordinator that cannot be
 reached — raises :class:`RunError` (one line, nothing written into the run) before the
 first step.
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 import types
@@ -73,6 +80,8 @@ from noloco.elastic.membership import Membership, live_replicas
 from noloco.integrity import Sealer, payload_key
 from noloco.methods import build_method
 from noloco.methods.engine import split_model
+from noloco.spec import HOST_STAGING_ENV
+from noloco.staging import HostStaged
 from noloco.train import LoopState, weights_checksum
 
 LIBRARY_METHODS = ("noloco", "diloco", "streaming", "sparseloco")
@@ -167,6 +176,42 @@ def _config(fn: str, *, settings: dict[str, Any],
         return cfg.resolved()
     except (ConfigError, ValueError, TypeError) as e:
         raise RunError(f"{fn}: {str(e).splitlines()[0]}") from None
+
+
+def _device(fn: str, params: list[torch.Tensor]) -> torch.device:
+    """The one device that holds every parameter (RunError where they are spread)."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise RunError(f"{fn}: the model's parameters are on {names}: a replica's parameters "
+                       f"must all be on one device")
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda"):
+        raise RunError(f"{fn}: parameters on {device} (the CPU or one CUDA GPU)")
+    return device
+
+
+def _forced_staging() -> bool:
+    """:data:`noloco.spec.HOST_STAGING_ENV`: stage through host buffers even on the CPU (the
+    GPU path's code, which is how a machine without a GPU tests it)."""
+    return os.environ.get(HOST_STAGING_ENV) == "1"
+
+
+def static_path(backend: str, device: torch.device, forced: bool = False) -> bool:
+    """Whether a static run over a process group of ``backend`` stages its tensors through
+    host memory (gloo with CUDA tensors: gloo cannot send one point to point); RunError where
+    the group cannot carry the run: NCCL with CPU parameters, or NCCL with no gloo for the
+    CPU tensors of the start-up checks."""
+    nccl = "nccl" in backend
+    if nccl and device.type != "cuda":
+        raise RunError(f"static_run: the process group is {backend!r} and the model is on the "
+                       f"CPU: NCCL carries CUDA tensors only (init the group with gloo, or "
+                       f"move the model to its GPU)")
+    if nccl and "gloo" not in backend:
+        raise RunError(f"static_run: the process group is {backend!r}: the run's checks are "
+                       f"small CPU tensors, which NCCL cannot carry (init_process_group("
+                       f"'cpu:gloo,cuda:nccl'))")
+    return forced or (device.type == "cuda" and not nccl)
 
 
 class _NoReader:
@@ -362,9 +407,7 @@ class ElasticLoop(_Handle):
         self.params = self.runner.parameters()
         if not self.params:
             raise RunError("join_run: the model has no trainable parameters")
-        if any(p.device.type != "cpu" for p in self.params):
-            raise RunError("join_run: the model's parameters must be on the CPU for now (GPU "
-                           "tensors are not yet staged through host buffers in a library run)")
+        self.device = _device("join_run", self.params)
         self.reader = _NoReader()
         self.status = _Status()
         self.state = LoopState()
@@ -437,10 +480,13 @@ class ElasticLoop(_Handle):
         self.membership.joining = joins
         self.membership.start()
         try:
-            self.comm = ElasticCommunicator(self.membership, m.peer_timeout, m.comm_timeout)
+            comm = ElasticCommunicator(self.membership, m.peer_timeout, m.comm_timeout)
             secret = auth.current_secret()
             if secret is not None and m.payload_mac:
-                self.comm.sealer = Sealer(payload_key(secret))
+                comm.sealer = Sealer(payload_key(secret))
+            # gloo's, across the internet: a GPU's tensors go through host buffers
+            staged = self.device.type == "cuda" or _forced_staging()
+            self.comm = HostStaged(comm, self.device) if staged else comm
             try:
                 self.method = build_method(m, self.runner.named_parameters(), self.comm,
                                            seed=t.seed)
@@ -570,18 +616,21 @@ class StaticLoop(_Handle):
                           replicas=m.replicas, stages=1)
         self.runner = _Runner(model)
         self.state = LoopState()
-        self.comm = TorchCommunicator()
         named = self.runner.named_parameters()
         if not named:
             raise RunError("static_run: the model has no trainable parameters")
+        self.device = _device("static_run", [p for _, p in named])
+        comm = TorchCommunicator()
+        staged = static_path(str(dist.get_backend()), self.device, _forced_staging())
+        self.comm = HostStaged(comm, self.device) if staged else comm
         # The run's contract, checked by every replica alike (one all-gather): what differs
         # is said by all of them, in one line each.
         arch = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
         mine = [_digest(arch), _digest(_settings(cfg)),
                 str(weights_checksum([p for _, p in named]))]
-        with self.comm.uncounted():
-            got = self.comm.all_gather(torch.tensor([int(_digest(x)[:15], 16) for x in mine],
-                                                    dtype=torch.int64))
+        with comm.uncounted():  # CPU tensors: gloo's side of the group
+            got = comm.all_gather(torch.tensor([int(_digest(x)[:15], 16) for x in mine],
+                                               dtype=torch.int64))
         for i, why in enumerate((
                 "the model's parameters (names, shapes, dtypes) differ between replicas: "
                 "every replica must build the same architecture",
