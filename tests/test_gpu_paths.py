@@ -247,3 +247,37 @@ def test_the_inner_loop_reads_nothing_back_per_step(tmp_path, monkeypatch) -> No
 
     short, long = run(8), run(16)
     assert short > 0 and long == short, (short, long)
+
+
+def test_a_batch_goes_to_a_gpu_pinned_and_without_a_host_wait(tmp_path, monkeypatch) -> None:
+    """A copy to a GPU from pageable memory waits for every kernel queued before it, so a loop
+    that uploads its batch that way syncs at every step. noloco's loop uploads through pinned
+    memory with non_blocking (checked here with the two calls recorded: no GPU), and the
+    training loop takes that path for every batch."""
+    from noloco import staging
+    from noloco import train as train_mod
+
+    calls: list = []
+
+    def to(self, *a, **k):
+        calls.append(("to", str(a[0]), k.get("non_blocking", False)))
+        return self
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+        m.setattr(torch.Tensor, "to", to)
+        staging.upload(torch.arange(6), torch.device("cuda"))
+        assert calls == ["pin", ("to", "cuda", True)]
+        calls.clear()
+        staging.upload(torch.arange(6), torch.device("cpu"))
+        assert calls == [("to", "cpu", False)]
+    uploads = {"n": 0}
+
+    def counted(t, device, _upload=staging.upload):
+        uploads["n"] += 1
+        return _upload(t, device)
+
+    monkeypatch.setattr(train_mod, "upload", counted)
+    assert train(tmp_path / "run", "builtin", "--max-tokens", "100000", "--steps", "3",
+                 "--eval-every", "3", "--checkpoint-every", "0", "--device", "cpu") == 0
+    assert uploads["n"] == 6  # inputs and targets of each of the 3 steps

@@ -43,7 +43,7 @@ from noloco.metrics import (
 from noloco.model import Forward, autocast, build, count_params, lm_loss, preset
 from noloco.optim import build_inner
 from noloco.rundir import RunDir
-from noloco.staging import HostStaged
+from noloco.staging import HostStaged, upload
 from noloco.token_cache import cached_corpus
 from noloco.watchdog import Watchdog
 
@@ -300,8 +300,8 @@ class Trainer:
         scale = () if k == 1 else (1.0 / k,)  # a pipeline runner takes no scale (k is 1)
         for _ in range(k):
             inputs, targets = self.reader.next_batch()
-            losses.append(self.runner.train_step(inputs.to(self.device),
-                                                 targets.to(self.device), step, *scale))
+            losses.append(self.runner.train_step(upload(inputs, self.device),
+                                                 upload(targets, self.device), step, *scale))
         if losses[0] is None:  # a pipeline stage before the last: no loss here
             return None
         return sum(losses) / k

@@ -42,6 +42,7 @@ from noloco.simulate.churn import Churn
 from noloco.simulate.fabric import Fabric
 from noloco.simulate.link import LinkModel
 from noloco.simulate.replicas import StackedReplicas
+from noloco.staging import upload
 from noloco.token_cache import cached_corpus
 from noloco.train import AVERAGED_METHODS, lr_at
 
@@ -127,8 +128,8 @@ class Simulation:
             # when it joins)
             batches = [self.readers[r].next_batch() if r in live else self._idle()
                        for r in range(self.n)]
-            x = torch.stack([b[0] for b in batches]).to(self.device)
-            y = torch.stack([b[1] for b in batches]).to(self.device)
+            x = upload(torch.stack([b[0] for b in batches]), self.device)
+            y = upload(torch.stack([b[1] for b in batches]), self.device)
             losses = self.replicas.losses(x, y)
             (losses.sum() * (1.0 / k) if k > 1 else losses.sum()).backward()
             total += losses.detach()
