@@ -167,7 +167,8 @@ def test_noloco_drops_altered_exchanges_and_a_joiner_refuses_an_altered_state(tm
 @pytest.mark.slow("elastic worker processes")
 @pytest.mark.timeout(400)
 def test_quantised_all_reduce_macs_change_no_number_and_leave_a_tamperer_out(tmp_path,
-                                                                            corpus):
+                                                                            corpus,
+                                                                            monkeypatch):
     """Streaming DiLoCo with fp4 messages: sealed and unsealed runs compute the same numbers
     and count the same payload bytes (tags apart). With replica 1's messages altered from
     step 30, its all-reduces fail their MACs on every member, who retry without it (as
@@ -181,6 +182,15 @@ def test_quantised_all_reduce_macs_change_no_number_and_leave_a_tamperer_out(tmp
     assert all(v > 0 for v in sealed["elastic"]["mac_bytes_per_replica"].values())
     assert all(v == 0 for v in plain["elastic"]["mac_bytes_per_replica"].values())
     assert not any(sealed["elastic"]["events"].values())
+    # staged through host buffers (a GPU's path: the codec where the tensor is, the sealed
+    # messages through host copies): the same numbers, payload bytes and tags
+    with monkeypatch.context() as m:
+        m.setenv("NOLOCO_HOST_STAGING", "1")
+        staged = _run(tmp_path, "staged", corpus, *args)
+    assert staged["final_val_loss_per_replica"] == sealed["final_val_loss_per_replica"]
+    assert staged["bytes_sent_per_replica"] == sealed["bytes_sent_per_replica"]
+    assert (staged["elastic"]["mac_bytes_per_replica"]
+            == sealed["elastic"]["mac_bytes_per_replica"])
 
     hit = _run(tmp_path, "tampered", corpus, *args, "--inject-fault", "tamper:1@30")
     forged = _forged(hit)

@@ -63,6 +63,45 @@ def test_a_staged_communicator_equals_the_plain_one_bit_for_bit() -> None:
             assert torch.equal(plain["params"], staged["params"]), name
 
 
+def test_only_the_encoded_bytes_of_a_quantised_all_reduce_go_through_the_host() -> None:
+    """Staged, the quantised all-reduce hands the caller's tensor itself to the inner
+    communicator (the codec runs where it is) and tells it to move its two phases' messages
+    through host copies: via_host gives the transport host tensors, and its results land in
+    the caller's buffers."""
+    from noloco.comm import via_host
+
+    class Recording(NullCommunicator):
+        def all_reduce_mean_quantized_async(self, tensor, fmt, block_size=64):
+            self.got = tensor
+            return super().all_reduce_mean_quantized_async(tensor, fmt, block_size)
+
+    inner = Recording()
+    x = torch.randn(256)
+    HostStaged(inner, torch.device("cpu")).all_reduce_mean_quantized_async(x, "fp4").wait()
+    assert inner.host_phases and inner.got is x
+    assert not TorchCommunicator.host_phases  # unstaged: the phases take the tensors as they are
+
+    seen = []
+
+    def a2a(recv, sent):
+        seen.append(sent)
+        recv.copy_(sent.flip(0))
+
+    def gather(out, x):
+        seen.append(x)
+        for i, o in enumerate(out):
+            o.copy_(x + i)
+
+    a2a_host, gather_host = via_host(a2a, gather)
+    sent, recv = torch.arange(6, dtype=torch.uint8), torch.zeros(6, dtype=torch.uint8)
+    a2a_host(recv, sent)
+    out = [torch.zeros(3, dtype=torch.uint8) for _ in range(2)]
+    gather_host(out, sent[:3])
+    assert torch.equal(recv, sent.flip(0))
+    assert [o.tolist() for o in out] == [[0, 1, 2], [1, 2, 3]]
+    assert [t.device.type for t in seen] == ["cpu", "cpu"]  # (a host tensor goes as it is)
+
+
 def test_staging_passes_the_inner_communicators_state_through() -> None:
     inner = NullCommunicator()
     comm = HostStaged(inner, torch.device("cpu"))

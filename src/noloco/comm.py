@@ -163,6 +163,11 @@ class Communicator(ABC):
     may_skip: bool = False
     """an all-reduce or all-gather may come back :data:`SKIPPED` (nobody stepped): an
     elastic run's, when the store is out of reach or every attempt aborted"""
+    host_phases: bool = False
+    """the quantised all-reduce's two phases move host copies of the encoded messages, while
+    encoding, decoding and the chunk means run where the tensor is (:func:`via_host`): set by
+    :class:`noloco.staging.HostStaged`, so a GPU's codec work stays on the GPU and only a
+    quarter byte a value crosses to the host"""
 
     def __init__(self) -> None:
         self.bytes_sent = 0
@@ -393,13 +398,15 @@ class TorchCommunicator(Communicator):
         send = quantized_messages(tensor, size, fmt, block_size)
         self.bytes_sent += quantized_all_reduce_bytes(n, size, fmt, block_size)
 
+        transport = (lambda recv, sent: dist.all_to_all_single(recv, sent, group=group),
+                     lambda out, x: dist.all_gather(out, x, group=group))
+        if self.host_phases:
+            transport = via_host(*transport)
+
         def phases() -> torch.Tensor:
             if send.is_cuda:  # this thread's own current device (NCCL calls run on it)
                 torch.cuda.set_device(send.device)
-            return quantized_mean(
-                send, n, size, fmt, block_size,
-                lambda recv, sent: dist.all_to_all_single(recv, sent, group=group),
-                lambda out, x: dist.all_gather(out, x, group=group))
+            return quantized_mean(send, n, size, fmt, block_size, *transport)
 
         if self._helper is None:
             self._helper = _HelperThread(f"noloco-comm-{id(self):x}")
@@ -452,6 +459,30 @@ def quantized_messages(tensor: torch.Tensor, size: int, fmt: str,
     padded[:n] = tensor
     return torch.cat([quant.to_bytes(quant.quantize(c, fmt, block_size))
                       for c in padded.split(chunk)])
+
+
+def via_host(all_to_all: Callable[[torch.Tensor, torch.Tensor], Any],
+             all_gather: Callable[[list[torch.Tensor], torch.Tensor], Any]
+             ) -> tuple[Callable[[torch.Tensor, torch.Tensor], None],
+                        Callable[[list[torch.Tensor], torch.Tensor], None]]:
+    """The quantised all-reduce's two phases (:func:`quantized_mean`) on host copies of
+    their messages, the results copied back where the caller's buffers are: a transport that
+    reads host memory only (gloo between workers that share a GPU, an elastic run's) carries
+    a GPU's encoded bytes. On host buffers the copies change nothing."""
+    def a2a(recv: torch.Tensor, sent: torch.Tensor) -> None:
+        host = sent.cpu()
+        got = torch.empty_like(host)
+        all_to_all(got, host)
+        recv.copy_(got)
+
+    def gather(out: list[torch.Tensor], x: torch.Tensor) -> None:
+        host = x.cpu()
+        got = [torch.empty_like(host) for _ in out]
+        all_gather(got, host)
+        for o, g in zip(out, got, strict=True):
+            o.copy_(g)
+
+    return a2a, gather
 
 
 def quantized_mean(send: torch.Tensor, n: int, size: int, fmt: str, block_size: int,

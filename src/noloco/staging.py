@@ -16,6 +16,12 @@ traffic is gloo's always (it crosses the internet). :class:`HostStaged` wraps an
 - buffers are pooled by shape and dtype: one is in use by at most one operation in flight,
   and goes back to the pool with the event of its last copy, which its next user waits for.
 
+The quantised all-reduce is the exception: its fp32 values never cross. The inner
+communicator encodes, takes the chunk means and decodes where the tensor is (on the GPU: the
+codec is ~50x faster there than on the host), and only the encoded messages of its two phases
+go through host memory (``host_phases``, :func:`noloco.comm.via_host`): an eighth of the
+bytes at 4 bits.
+
 The arithmetic is the inner communicator's, on the same values: a staged run equals an
 unstaged one bit for bit on CPU (the same code runs with host tensors on both sides, which
 is how the tests check it without a GPU), and on a GPU it differs only by the reduction
@@ -128,6 +134,7 @@ class HostStaged(Communicator):
         # No Communicator.__init__: the counters are the inner communicator's.
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_pool", _Pool(device))
+        inner.host_phases = True  # the quantised all-reduce: only encoded bytes cross
 
     # ---- everything but the operations is the inner communicator's ---------------------------
     def __getattr__(self, name: str) -> Any:
@@ -176,13 +183,12 @@ class HostStaged(Communicator):
 
     def all_reduce_mean_quantized_async(self, tensor: torch.Tensor, fmt: str,
                                         block_size: int = quant.DEFAULT_BLOCK_SIZE) -> Pending:
-        host = self._pool.to_host(tensor)
-        try:
-            inner = self._inner.all_reduce_mean_quantized_async(host, fmt, block_size)
-        except BaseException:  # a NaN refused at the call: nothing in flight
-            self._pool.give(host)
-            raise
-        return self._in_place(tensor, host, inner)
+        if fmt == "none":
+            return self.all_reduce_mean_async(tensor)
+        # Not the fp32 values: the inner communicator encodes, reduces and decodes where the
+        # tensor is (on a GPU, ~50x faster than the host's codec) and moves only the encoded
+        # messages through host memory (its host_phases, set above).
+        return self._inner.all_reduce_mean_quantized_async(tensor, fmt, block_size)
 
     def _in_place(self, tensor: torch.Tensor, host: torch.Tensor, inner: Pending) -> Pending:
         def after(result: Any) -> Any:

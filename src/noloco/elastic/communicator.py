@@ -25,6 +25,7 @@ from noloco.comm import (
     quantized_mean,
     quantized_messages,
     ring_all_reduce_bytes,
+    via_host,
 )
 from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.keys import missed_key, op_tag, snapshot_key
@@ -506,6 +507,8 @@ class ElasticCommunicator(Communicator):
                           lambda out, x: pg.allgather([out], [x]).wait())
             else:
                 phases = self._sealed_phases(pg, final, context)
+            if self.host_phases:  # a GPU's encoded bytes through gloo (noloco.staging)
+                phases = via_host(*phases)
             tensor.copy_(quantized_mean(send, n, k, fmt, block_size, *phases))
             return quantized_all_reduce_bytes(n, k, fmt, block_size)
 
