@@ -424,7 +424,9 @@ def _spread_rank(rank: int, world: int) -> dict:
     sizes = (300, 500) if lay.stage == 0 else (700,)
     params = [torch.randn(n, generator=g) for n in sizes]
     spread = weight_spread(params, lay, world_comm, stage_comm)
-    return {"spread": spread, "params": params, "gathered": gathered,
+    # in pieces of 7, 512 and 1000 values (parameters cut across pieces): the same spread
+    pieces = [weight_spread(params, lay, world_comm, stage_comm, chunk=c) for c in (7, 512, 1000)]
+    return {"spread": spread, "pieces": pieces, "params": params, "gathered": gathered,
             "stage_bytes": stage_comm.bytes_sent}
 
 
@@ -442,6 +444,7 @@ def test_weight_spread_with_stages_is_reduced_not_gathered():
     expected = (sq / (n * 2)) ** 0.5
     for r in res:
         assert r["spread"] == pytest.approx(expected, rel=1e-12)
+        assert r["pieces"] == pytest.approx([expected] * 3, rel=1e-12)
         # Only scalars go through the world: no rank gathers another's weights.
         assert max(r["gathered"]) <= 2
         assert r["stage_bytes"] == 0  # the method's accounting is untouched

@@ -16,13 +16,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from noloco.comm import Communicator, flatten
+from noloco.comm import Communicator
 from noloco.config import Config
 from noloco.errors import plural
 
@@ -77,33 +77,72 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+SPREAD_CHUNK = 1 << 24
+"""values per piece of :func:`weight_spread`'s float64 work (128 MB)"""
+
+
 @torch.no_grad()
 def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator,
-                  stage_comm: Communicator | None = None) -> float:
+                  stage_comm: Communicator | None = None, chunk: int = SPREAD_CHUNK) -> float:
     """sqrt( Σ_params (p − mean over replicas)² / (#params · N) ), all stages together.
 
     Two reductions instead of gathering every replica's weights: the mean over replicas of
     each parameter, then the squared deviations summed — 2·S per rank and O(S) memory
     whatever N, which matters on slow links and for large models. With stages, each stage's
     mean is taken over that stage's replicas (``stage_comm``, the method's stage group, used
-    with its accounting left untouched), then the scalars are summed over the world."""
+    with its accounting left untouched), then the scalars are summed over the world.
+
+    The float64 work goes ``chunk`` values at a time (one all-reduce each; every replica of a
+    stage cuts its parameters alike): its memory is two chunks, not four float64 copies of the
+    model, which on a GPU would be 16 bytes a parameter at an evaluation."""
     if lay.replicas == 1:
         return 0.0
-    flat = flatten(params, torch.float64)
-    avg = flat.clone()
-    if lay.stages == 1:
-        world.all_reduce_mean(avg)
-    else:
-        if stage_comm is None:
-            raise ValueError("weight_spread with stages needs the stage group")
-        with stage_comm.uncounted():
-            stage_comm.all_reduce_mean(avg)
-    mine = torch.tensor([((flat - avg) ** 2).sum().item(), float(flat.numel())],
-                        dtype=torch.float64)
+    if lay.stages > 1 and stage_comm is None:
+        raise ValueError("weight_spread with stages needs the stage group")
+    device = params[0].device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    for pieces in _chunks(params, chunk):
+        n = sum(x.numel() for x in pieces)
+        flat = torch.empty(n, dtype=torch.float64, device=device)
+        at = 0
+        for x in pieces:
+            flat[at:at + x.numel()].copy_(x)
+            at += x.numel()
+        avg = flat.clone()
+        if lay.stages == 1:
+            world.all_reduce_mean(avg)
+        else:
+            assert stage_comm is not None
+            with stage_comm.uncounted():
+                stage_comm.all_reduce_mean(avg)
+        sq += avg.sub_(flat).square_().sum()
+        count += n
+        del flat, avg
+    mine = torch.tensor([float(sq), float(count)], dtype=torch.float64)
     rows = torch.stack(world.all_gather(mine))
-    sq = float(rows[:, 0].sum())
+    total = float(rows[:, 0].sum())
     n = sum(float(rows[lay.global_rank(0, s), 1]) for s in range(lay.stages))
-    return math.sqrt(sq / (n * lay.replicas))
+    return math.sqrt(total / (n * lay.replicas))
+
+
+def _chunks(params: list[torch.Tensor], size: int) -> Iterator[list[torch.Tensor]]:
+    """The parameters' values in order, as lists of 1-D pieces of ``size`` values in all (the
+    last list shorter); a parameter may be cut across two lists."""
+    buf: list[torch.Tensor] = []
+    n = 0
+    for p in params:
+        v = p.detach().reshape(-1)
+        while v.numel():
+            take = min(size - n, v.numel())
+            buf.append(v[:take])
+            n += take
+            v = v[take:]
+            if n == size:
+                yield buf
+                buf, n = [], 0
+    if buf:
+        yield buf
 
 
 def gather_scalars(world: Communicator, lay: Layout, values: list[float],
