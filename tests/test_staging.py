@@ -226,3 +226,26 @@ def test_ranks_that_would_pick_other_backends_are_refused_before_the_group() -> 
         distributed.agree_backend(store, 2, 0, "gloo")
     distributed.agree_backend(store, 0, 1, "gloo")  # a restart (attempt 1) chooses afresh
     distributed.agree_backend(store, 2, 1, "gloo")
+
+
+@pytest.mark.parametrize("backend,ok,expected", [
+    ("cpu:gloo,cuda:nccl", False, "abort"),  # a broken NCCL collective: never wait for it
+    ("cpu:gloo,cuda:nccl", True, "destroy"),
+    ("gloo", False, "destroy"),
+])
+def test_a_failed_nccl_group_is_aborted_not_destroyed(monkeypatch, backend, ok, expected):
+    """Issue 34 item 5: destroying an NCCL group after a timed-out collective waits for its
+    stuck kernels and may hang the worker on its way out with the error line."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *a: calls.append("abort"))
+    distributed.DistContext(owns_group=True).close(ok)
+    assert calls == [expected]
+    calls.clear()
+    distributed.DistContext(owns_group=False).close(ok)  # a caller's group: left alone
+    assert calls == []

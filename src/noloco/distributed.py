@@ -182,9 +182,17 @@ class DistContext:
     attempt: int = 0
     owns_group: bool = False
 
-    def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+    def close(self, ok: bool = True) -> None:
+        """Tear the process group down. After a failure on NCCL (a timed-out or broken
+        collective) it is aborted: destroying it waits for the stuck kernels and may hang the
+        worker that is trying to exit with its error line."""
+        if not (self.owns_group and dist.is_initialized()):
+            return
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if not ok and abort is not None and "nccl" in str(dist.get_backend()):
+            abort()
+            return
+        dist.destroy_process_group()
 
 
 def init_distributed(lay: Layout, timeout_s: float, device: torch.device,

@@ -98,7 +98,7 @@ def run(spec: WorkerSpec, status: WorkerStatus | None = None) -> dict[str, Any] 
     finally:
         if trainer is not None:
             trainer.close(ok)
-        ctx.close()
+        ctx.close(ok)
 
 
 def _prepare_rundir(cfg: Config, lay: Layout, rundir: RunDir, resume: bool,
