@@ -454,11 +454,12 @@ def env(**values: str | None) -> Any:
 
 
 def shared_vs_cpu_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """The tiny preset, DiLoCo and NoLoCo, on the CPU and on the shared device, the same
-    config: bytes and operations must be equal; the losses differ by float order only (on
-    the CPU alone: not at all, the other side being staged through host buffers)."""
+    """The tiny preset, DiLoCo, NoLoCo and Streaming fp4 (its quantised all-reduce coded on
+    the device, on the helper thread's own stream), on the CPU and on the shared device, the
+    same config: bytes and operations must be equal; the losses differ by float order only
+    (on the CPU alone: not at all, the other side being staged through host buffers)."""
     out: dict[str, Any] = {}
-    for method in ("diloco", "noloco"):
+    for method in ("diloco", "noloco", "streaming_fp4"):
         sides = {}
         for side in ("cpu", "device"):
             run = tmp / f"vs_{method}_{side}"
@@ -467,7 +468,7 @@ def shared_vs_cpu_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             staged = side == "device" and a.device == "cpu"
             with env(NOLOCO_HOST_STAGING="1" if staged else None):
                 _, s, wall = run_noloco(shared_argv(a, run, "tiny", "cpu" if side == "cpu"
-                                                    else a.device, "--method", method))
+                                                    else a.device, *SHARED[method]))
             sides[side] = {**shared_facts(s, wall), "forced_host_staging": staged}
             shutil.rmtree(run, ignore_errors=True)
         c, g = sides["cpu"], sides["device"]

@@ -66,8 +66,9 @@ def test_a_staged_communicator_equals_the_plain_one_bit_for_bit() -> None:
 def test_only_the_encoded_bytes_of_a_quantised_all_reduce_go_through_the_host() -> None:
     """Staged, the quantised all-reduce hands the caller's tensor itself to the inner
     communicator (the codec runs where it is) and tells it to move its two phases' messages
-    through host copies: via_host gives the transport host tensors, and its results land in
-    the caller's buffers."""
+    through host copies, whose results land in the caller's buffers (via_host). That the
+    phases give the same bits through host copies: the staged runs above, whose Streaming
+    fp4 config runs TorchCommunicator's quantised all-reduce with host_phases set."""
     from noloco.comm import via_host
 
     class Recording(NullCommunicator):
@@ -81,14 +82,10 @@ def test_only_the_encoded_bytes_of_a_quantised_all_reduce_go_through_the_host() 
     assert inner.host_phases and inner.got is x
     assert not TorchCommunicator.host_phases  # unstaged: the phases take the tensors as they are
 
-    seen = []
-
     def a2a(recv, sent):
-        seen.append(sent)
         recv.copy_(sent.flip(0))
 
     def gather(out, x):
-        seen.append(x)
         for i, o in enumerate(out):
             o.copy_(x + i)
 
@@ -99,7 +96,6 @@ def test_only_the_encoded_bytes_of_a_quantised_all_reduce_go_through_the_host() 
     gather_host(out, sent[:3])
     assert torch.equal(recv, sent.flip(0))
     assert [o.tolist() for o in out] == [[0, 1, 2], [1, 2, 3]]
-    assert [t.device.type for t in seen] == ["cpu", "cpu"]  # (a host tensor goes as it is)
 
 
 def test_staging_passes_the_inner_communicators_state_through() -> None:

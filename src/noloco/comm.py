@@ -332,6 +332,7 @@ class TorchCommunicator(Communicator):
         self.size = len(self.ranks)
         self.rank = self.ranks.index(me) if me in self.ranks else -1
         self._helper: _HelperThread | None = None
+        self._side: dict[int, torch.cuda.Stream] = {}  # the helper's own stream, per GPU
 
     def all_reduce_mean_async(self, tensor: torch.Tensor) -> Pending:
         self._drain()
@@ -403,10 +404,29 @@ class TorchCommunicator(Communicator):
         if self.host_phases:
             transport = via_host(*transport)
 
-        def phases() -> torch.Tensor:
-            if send.is_cuda:  # this thread's own current device (NCCL calls run on it)
-                torch.cuda.set_device(send.device)
-            return quantized_mean(send, n, size, fmt, block_size, *transport)
+        ready = None
+        if send.is_cuda:  # the encode, as queued on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(send.device))
+
+        def phases() -> tuple[torch.Tensor, Any]:
+            if ready is None:
+                return quantized_mean(send, n, size, fmt, block_size, *transport), None
+            # This thread's own current device (NCCL calls run on it) and a stream of its
+            # own: on the caller's, its copies, kernels and NCCL calls would wait for every
+            # training kernel queued after the encode, and the overlap would be lost.
+            torch.cuda.set_device(send.device)
+            gpu = send.device.index or 0
+            if gpu not in self._side:
+                self._side[gpu] = torch.cuda.Stream(send.device)
+            side = self._side[gpu]
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                out = quantized_mean(send, n, size, fmt, block_size, *transport)
+                done = torch.cuda.Event()
+                done.record(side)
+            send.record_stream(side)  # not reused by the caller's stream before side read it
+            return out, done
 
         if self._helper is None:
             self._helper = _HelperThread(f"noloco-comm-{id(self):x}")
@@ -414,7 +434,12 @@ class TorchCommunicator(Communicator):
         _HELPER_JOBS.append(fut)
 
         def finish() -> None:
-            tensor.copy_(fut.result())
+            out, done = fut.result()
+            if done is not None:  # the caller's stream waits for the helper's last kernel
+                here = torch.cuda.current_stream(out.device)
+                here.wait_event(done)
+                out.record_stream(here)
+            tensor.copy_(out)
 
         return Pending(self, [_FutureWork(fut)], finish, "all_reduce_quantized", self.ranks)
 

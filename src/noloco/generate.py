@@ -176,13 +176,14 @@ def sample(s: _Sampler, ids: list[int], max_tokens: int, temperature: float,
     """``max_tokens`` token ids after ``ids``. The seed's CPU generator draws one uniform per
     token up front (:func:`pick`). While the text fits the context the built-in model runs on
     its key/value cache (:func:`_cached`); past it the window slides and every token
-    recomputes its window (as ``cache=False`` does throughout). ``graph``: replay the cached
-    step as a CUDA graph (default: on a GPU; never on the CPU)."""
+    recomputes its window (as ``cache=False`` does throughout). ``graph=False``: step eagerly
+    on a GPU too, instead of replaying the cached step as a CUDA graph (on the CPU there is
+    none)."""
     u = torch.rand(max_tokens, generator=torch.Generator().manual_seed(seed)).to(s.device)
     new: list[int] = []
     if cache and s.model is not None and 0 < len(ids) <= s.context and max_tokens > 0:
         n = min(max_tokens, s.context - len(ids) + 1)
-        use_graph = s.device.type == "cuda" if graph is None else graph
+        use_graph = s.device.type == "cuda" and graph is not False  # (a GPU's alone)
         new = _cached(s.model, ids, n, u, temperature, top_k, use_graph)
     for i in range(len(new), max_tokens):  # the sliding window (or no cache)
         window = torch.tensor([(ids + new)[-s.context:]], dtype=torch.long, device=s.device)
@@ -240,17 +241,20 @@ def _capture(step: Any, kv: Any, token: torch.Tensor, at: torch.Tensor) -> Any:
         at.copy_(saved[3])
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # kernels, cuBLAS handles and the allocator warmed
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        restore()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        restore()
-        return g
+        if at.device.type != "cuda":
+            raise RuntimeError(f"the step's tensors are on {at.device}, not a GPU")
+        with torch.cuda.device(at.device):  # the model's GPU, whichever is current
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # kernels, cuBLAS handles and the allocator warmed
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            restore()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                step()
+            restore()
+            return g
     except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
         if torch.cuda.is_available():
             torch.cuda.synchronize()
