@@ -48,8 +48,20 @@ ended). ``--quick`` runs every step tiny (the tiny preset, a few steps, 64 Ki fl
 the script itself, on the CPU in under a minute; there the generate step compares the CPU with
 itself and the codec step skips the GPU side, saying so.
 
-    PYTHONPATH=src python3 benchmarks/gpu.py --out $OUT                 # GPU, about 4-5 min
     PYTHONPATH=src python3 benchmarks/gpu.py --quick --device cpu --out /tmp/x
+
+Every step at once takes longer than one device call may (the shared steps alone took ~5 min
+on an H100), and steps past ``--budget-s`` are skipped. A device session of 15 minutes runs it
+in two calls, each writing its own record (give each a timeout with room to spare):
+
+    # ~5 min: the loop against the bare loop (eager bf16, compiled), generation, the codecs,
+    # the library's elastic loop on the GPU
+    PYTHONPATH=src python3 benchmarks/gpu.py --compile --budget-s 420 --out $OUT \
+        --only train_bf16,train_compile,generate,codecs,library
+    # ~5 min: four replicas sharing the GPU (every method, a pipeline, the CPU comparison,
+    # an elastic run with a replica killed), and the simulator
+    PYTHONPATH=src python3 benchmarks/gpu.py --budget-s 420 --out $OUT \
+        --only shared,shared_vs_cpu,shared_elastic,simulate
 """
 
 from __future__ import annotations
