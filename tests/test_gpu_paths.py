@@ -233,12 +233,14 @@ def test_the_inner_loop_reads_nothing_back_per_step(tmp_path, monkeypatch) -> No
     """Issue 34 item 2: on a GPU every read of a tensor's value waits for the device. A run of
     twice the steps (no log lines, no evaluation or checkpoint between) reads as many values
     in noloco's code as the shorter one: the losses are read together, at the evaluation.
-    (torch's AdamW reads its step counters, host tensors by design: not counted.)"""
+    Every way to read a value counts: item, tolist, float/bool/int/index conversions, numpy,
+    cpu. (torch's AdamW reads its step counters, host tensors by design: not counted.)"""
     import sys
 
     src = str(REPO / "src" / "noloco")
     reads = {"n": 0}
-    for name in ("item", "tolist", "__float__"):
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "__index__", "numpy",
+                 "cpu"):
         original = getattr(torch.Tensor, name)
 
         def counted(self, *a, _original=original, **k):
