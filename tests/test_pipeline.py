@@ -430,6 +430,44 @@ def _spread_rank(rank: int, world: int) -> dict:
             "stage_bytes": stage_comm.bytes_sent}
 
 
+def _spread_one_stage(rank: int, world: int) -> dict:
+    from noloco.comm import TorchCommunicator
+    from noloco.distributed import Layout
+    from noloco.metrics import weight_spread
+
+    lay = Layout(rank=rank, world=world, local_world=world, replica=rank, replicas=world)
+    used: list[str] = []
+
+    class Recording(TorchCommunicator):
+        def all_reduce_mean_async(self, tensor):
+            used.append(self.name)
+            return super().all_reduce_mean_async(tensor)
+
+    world_comm = Recording(list(range(world)), group=dist.group.WORLD)
+    world_comm.name = "world"
+    method_comm = Recording(list(range(world)))
+    method_comm.name = "method"
+    params = [torch.randn(n, generator=torch.Generator().manual_seed(rank)) for n in (300, 70)]
+    spread = weight_spread(params, lay, world_comm, method_comm, chunk=128)
+    return {"spread": spread, "params": params, "used": used,
+            "method_bytes": method_comm.bytes_sent}
+
+
+@pytest.mark.slow("gloo ranks in worker processes")
+@pytest.mark.timeout(120)
+def test_weight_spread_takes_its_means_on_the_methods_own_group():
+    """Not on the world's group: on NCCL its kernels could run beside a sync still in flight
+    on the method's group (two communicators' kernels at once can deadlock); on the method's
+    own group they queue behind it. The accounting of the method's group is untouched."""
+    res = run_ranks(_spread_one_stage, 2)
+    st = torch.stack([torch.cat(r["params"]).double() for r in res])
+    expected = (float(((st - st.mean(0)) ** 2).sum()) / (st[0].numel() * 2)) ** 0.5
+    for r in res:
+        assert r["spread"] == pytest.approx(expected, rel=1e-12)
+        assert r["used"] == ["method"] * 3  # 370 values in pieces of 128
+        assert r["method_bytes"] == 0
+
+
 @pytest.mark.slow("gloo ranks in worker processes")
 @pytest.mark.timeout(120)
 def test_weight_spread_with_stages_is_reduced_not_gathered():

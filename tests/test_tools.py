@@ -184,15 +184,21 @@ def test_generate_with_the_kv_cache_samples_the_same_tokens(runs, monkeypatch) -
     real = gen.load_sampler
     calls = {"cached": 0}
 
+    class Counted:  # the built-in model, its cached forwards counted
+        def __init__(self, model):
+            self.model, self.args = model, model.args
+
+        def parameters(self):
+            return self.model.parameters()
+
+        def __call__(self, x, kv=None):
+            calls["cached"] += kv is not None
+            return self.model(x, kv)
+
     def small_context(path, which=None):
         s = real(path, which)
         s.context = 16
-        model = s.model
-
-        def counted(x, kv=None):
-            calls["cached"] += kv is not None
-            return model(x, kv)
-        s.model = counted
+        s.model = Counted(s.model)
         return s
     monkeypatch.setattr(gen, "load_sampler", small_context)
     a = generate(runs["single"], "To be", max_tokens=30, seed=5)

@@ -88,9 +88,12 @@ def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator,
 
     Two reductions instead of gathering every replica's weights: the mean over replicas of
     each parameter, then the squared deviations summed — 2·S per rank and O(S) memory
-    whatever N, which matters on slow links and for large models. With stages, each stage's
-    mean is taken over that stage's replicas (``stage_comm``, the method's stage group, used
-    with its accounting left untouched), then the scalars are summed over the world.
+    whatever N, which matters on slow links and for large models. Each stage's mean is taken
+    over that stage's replicas through the method's own communicator (``stage_comm``, its
+    accounting left untouched; needed with stages), then the scalars are summed over the
+    world. (Not the world's group for the means: on NCCL its kernels could run beside a sync
+    still in flight on the method's group (τ > 0), and two communicators' kernels at once can
+    deadlock; on the method's own group they queue behind the sync.)
 
     The float64 work goes ``chunk`` values at a time (one all-reduce each; every replica of a
     stage cuts its parameters alike): its memory is two chunks, not four float64 copies of the
@@ -110,12 +113,9 @@ def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator,
             flat[at:at + x.numel()].copy_(x)
             at += x.numel()
         avg = flat.clone()
-        if lay.stages == 1:
-            world.all_reduce_mean(avg)
-        else:
-            assert stage_comm is not None
-            with stage_comm.uncounted():
-                stage_comm.all_reduce_mean(avg)
+        means = stage_comm if stage_comm is not None else world
+        with means.uncounted():
+            means.all_reduce_mean(avg)
         sq += avg.sub_(flat).square_().sum()
         count += n
         del flat, avg
