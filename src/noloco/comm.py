@@ -421,11 +421,11 @@ class TorchCommunicator(Communicator):
                 self._side[gpu] = torch.cuda.Stream(send.device)
             side = self._side[gpu]
             side.wait_event(ready)
+            send.record_stream(side)  # not reused by the caller's stream before side read it
             with torch.cuda.stream(side):
                 out = quantized_mean(send, n, size, fmt, block_size, *transport)
                 done = torch.cuda.Event()
                 done.record(side)
-            send.record_stream(side)  # not reused by the caller's stream before side read it
             return out, done
 
         if self._helper is None:

@@ -256,8 +256,8 @@ def _capture(step: Any, kv: Any, token: torch.Tensor, at: torch.Tensor) -> Any:
             restore()
             return g
     except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if at.is_cuda:  # the warm-up's kernels on the model's GPU, before the state is reset
+            torch.cuda.synchronize(at.device)
         restore()
         line = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
         print(f"noloco: generate: CUDA graph capture failed ({line}); stepping eagerly",
