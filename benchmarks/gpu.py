@@ -506,24 +506,14 @@ def library_step(a: argparse.Namespace) -> dict[str, Any]:
     ``noloco.library.join_run`` share it, one is killed (SIGKILL) and started again; it must
     rejoin and every replica end on the same weights. On the CPU every tensor is staged
     through host buffers anyway (``NOLOCO_HOST_STAGING=1``): the code a GPU's model takes."""
-    import subprocess
-
     example = Path(__file__).resolve().parents[1] / "examples" / "elastic_loop.py"
-    env = {**os.environ, "NOLOCO_HOST_STAGING": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        x for x in (str(Path(__file__).resolve().parents[1] / "src"),
-                    env.get("PYTHONPATH")) if x)
     argv = [sys.executable, str(example), "--steps", "30", "--kill-at", "10", "--sync-every",
             "5", "--step-seconds", "0.2", "--device", a.device]
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)
-    wall = time.perf_counter() - t0
+    proc, wall = common.run_checked(argv, "examples/elastic_loop.py",
+                                    {**os.environ, "NOLOCO_HOST_STAGING": "1"})
     out = proc.stdout
-    ok = (proc.returncode == 0 and "replica 2 rejoined at step" in out
-          and "the same weights on every replica" in out)
-    if not ok:
-        raise RuntimeError(f"elastic_loop.py exited {proc.returncode}: "
-                           f"{(out + proc.stderr).strip()[-1500:]}")
+    if not ("replica 2 rejoined at step" in out and "the same weights on every replica" in out):
+        raise RuntimeError(f"elastic_loop.py: {(out + proc.stderr).strip()[-1500:]}")
     return {"device": a.device, "wall_seconds": wall, "replicas": 4,
             "output": [line for line in out.splitlines() if line.startswith(("replica", "all"))]}
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 import types
@@ -80,7 +79,7 @@ from noloco.elastic.membership import Membership, live_replicas
 from noloco.integrity import Sealer, payload_key
 from noloco.methods import build_method
 from noloco.methods.engine import split_model
-from noloco.spec import HOST_STAGING_ENV
+from noloco.spec import forced_host_staging
 from noloco.staging import HostStaged
 from noloco.train import LoopState, weights_checksum
 
@@ -189,12 +188,6 @@ def _device(fn: str, params: list[torch.Tensor]) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise RunError(f"{fn}: parameters on {device} (the CPU or one CUDA GPU)")
     return device
-
-
-def _forced_staging() -> bool:
-    """:data:`noloco.spec.HOST_STAGING_ENV`: stage through host buffers even on the CPU (the
-    GPU path's code, which is how a machine without a GPU tests it)."""
-    return os.environ.get(HOST_STAGING_ENV) == "1"
 
 
 def static_path(backend: str, device: torch.device, forced: bool = False) -> bool:
@@ -485,7 +478,7 @@ class ElasticLoop(_Handle):
             if secret is not None and m.payload_mac:
                 comm.sealer = Sealer(payload_key(secret))
             # gloo's, across the internet: a GPU's tensors go through host buffers
-            staged = self.device.type == "cuda" or _forced_staging()
+            staged = self.device.type == "cuda" or forced_host_staging()
             self.comm = HostStaged(comm, self.device) if staged else comm
             try:
                 self.method = build_method(m, self.runner.named_parameters(), self.comm,
@@ -621,7 +614,7 @@ class StaticLoop(_Handle):
             raise RunError("static_run: the model has no trainable parameters")
         self.device = _device("static_run", [p for _, p in named])
         comm = TorchCommunicator()
-        staged = static_path(str(dist.get_backend()), self.device, _forced_staging())
+        staged = static_path(str(dist.get_backend()), self.device, forced_host_staging())
         self.comm = HostStaged(comm, self.device) if staged else comm
         # The run's contract, checked by every replica alike (one all-gather): what differs
         # is said by all of them, in one line each.

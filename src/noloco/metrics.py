@@ -103,6 +103,7 @@ def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator,
     if lay.stages > 1 and stage_comm is None:
         raise ValueError("weight_spread with stages needs the stage group")
     device = params[0].device if params else torch.device("cpu")
+    means = stage_comm if stage_comm is not None else world
     sq = torch.zeros((), dtype=torch.float64, device=device)
     count = 0
     for pieces in _chunks(params, chunk):
@@ -113,12 +114,10 @@ def weight_spread(params: list[torch.Tensor], lay: Layout, world: Communicator,
             flat[at:at + x.numel()].copy_(x)
             at += x.numel()
         avg = flat.clone()
-        means = stage_comm if stage_comm is not None else world
         with means.uncounted():
             means.all_reduce_mean(avg)
         sq += avg.sub_(flat).square_().sum()
         count += n
-        del flat, avg
     mine = torch.tensor([float(sq), float(count)], dtype=torch.float64)
     rows = torch.stack(world.all_gather(mine))
     total = float(rows[:, 0].sum())

@@ -153,7 +153,6 @@ class KVCache:
         cos, sin = rope_tables(size, args.head_dim, args.rope_theta, torch.device(device),
                                torch.float32)
         self._cos, self._sin = cos, sin
-        self._t = 0  # positions in the forward under way (set by rope, read by mask)
 
     def _positions(self, t: int) -> torch.Tensor:
         # checked on the host's count (reading ``position`` would wait for the device); a

@@ -30,6 +30,11 @@ as GPU workers that share a GPU: how the tests check it on a machine without one
 setting, read by the entry point into :attr:`WorkerSpec.host_staging`."""
 
 
+def forced_host_staging(env: Any = None) -> bool:
+    """Whether ``env`` (default: this process's environment) sets :data:`HOST_STAGING_ENV`."""
+    return (os.environ if env is None else env).get(HOST_STAGING_ENV) == "1"
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker's start: its run (the config, resolved once by the entry point), its place
@@ -104,7 +109,7 @@ class WorkerSpec:
                    local_rank=int(env.get("LOCAL_RANK", 0)),
                    local_world=int(env.get("LOCAL_WORLD_SIZE", world)), resume=resume,
                    must_resume=must_resume, rundir_ready=rundir_ready,
-                   host_staging=env.get(HOST_STAGING_ENV) == "1")
+                   host_staging=forced_host_staging(env))
 
     @classmethod
     def for_launcher(cls, cfg: Config, local_world: int, **kw: Any) -> WorkerSpec:
@@ -112,5 +117,5 @@ class WorkerSpec:
         supervised, its run directory prepared. ``cfg`` resolved."""
         return cls(config=cfg, world=cfg.world_size, local_world=local_world, supervised=True,
                    rundir_ready=True, launcher_pid=os.getpid(),
-                   host_staging=os.environ.get(HOST_STAGING_ENV) == "1", **kw)
+                   host_staging=forced_host_staging(), **kw)
 
