@@ -23,7 +23,9 @@ Steps (each in its own try: an error is recorded and the others still run; the s
   the CPU, on the GPU with the one-token step replayed as a CUDA graph, and on the GPU stepping
   eagerly (``noloco.generate``, static key/value cache, the same seed): tokens/s of each, the
   graphed GPU's ratio to the CPU (issue target ≥ 10×) and the eager one's, and whether the
-  texts agree.
+  texts agree. Each side also times a call of 8 tokens: the difference per token is a token's
+  own cost (``marginal_tokens_per_second``, ``marginal_ratio``), the rest the call's fixed
+  cost (the prompt's forward; on the GPU the graph's capture).
 - ``codecs``: FP4 block quantisation (``noloco.quant``) and chunk-wise top-k
   (``noloco.sparse``, ``--topk``, default 2 % with 2-bit values) of the same random input on
   CPU and GPU tensors: the time of each, and whether the encoded bytes agree. Three inputs:
@@ -85,6 +87,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
+SHORT_GENERATION = 8
+"""tokens of the generate step's second, short call (its fixed cost apart)"""
 GENERATE_TARGET = 10.0
 """issue 34: the GPU samples at least 10x as many tokens per second as the CPU"""
 STEPS = ("train_fp32", "train_bf16", "train_compile", "checkpoint", "generate", "codecs",
@@ -507,14 +511,17 @@ def library_step(a: argparse.Namespace) -> dict[str, Any]:
     rejoin and every replica end on the same weights. On the CPU every tensor is staged
     through host buffers anyway (``NOLOCO_HOST_STAGING=1``): the code a GPU's model takes."""
     example = Path(__file__).resolve().parents[1] / "examples" / "elastic_loop.py"
-    argv = [sys.executable, str(example), "--steps", "30", "--kill-at", "10", "--sync-every",
-            "5", "--step-seconds", "0.2", "--device", a.device]
+    # The others must still train when the killed one's new process has started and joins:
+    # on the H200 machine, 20 steps (4 s) were too few for a fresh process's CUDA start.
+    steps = 30 if a.quick else 80
+    argv = [sys.executable, str(example), "--steps", str(steps), "--kill-at", "10",
+            "--sync-every", "5", "--step-seconds", "0.2", "--device", a.device]
     proc, wall = common.run_checked(argv, "examples/elastic_loop.py",
                                     {**os.environ, "NOLOCO_HOST_STAGING": "1"})
     out = proc.stdout
     if not ("replica 2 rejoined at step" in out and "the same weights on every replica" in out):
         raise RuntimeError(f"elastic_loop.py: {(out + proc.stderr).strip()[-1500:]}")
-    return {"device": a.device, "wall_seconds": wall, "replicas": 4,
+    return {"device": a.device, "wall_seconds": wall, "replicas": 4, "steps": steps,
             "output": [line for line in out.splitlines() if line.startswith(("replica", "all"))]}
 
 
@@ -600,15 +607,29 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
             new = sample(s, ids, a.new_tokens, 0.8, 40, seed=0, graph=graph)
             sync(dev)
             sec = time.perf_counter() - t0
+            peak = peak_bytes(dev)
+            # a call's fixed cost (the prompt's forward, the graph's capture) apart from a
+            # token's: the same call for a few tokens, then the difference per token
+            t0 = time.perf_counter()
+            sample(s, ids, SHORT_GENERATION, 0.8, 40, seed=0, graph=graph)
+            sync(dev)
+            short = time.perf_counter() - t0
             greedy = sample(s, ids, min(a.new_tokens, 32), 0.0, None, seed=0, graph=graph)
         texts.append((new, greedy))
+        per_token = (sec - short) / max(1, a.new_tokens - SHORT_GENERATION)
         out["sides"].append({"device": dev, "cuda_graph": graph, "seconds": sec,
                              "tokens_per_second": a.new_tokens / sec,
-                             "peak_gpu_bytes": peak_bytes(dev)})
+                             f"seconds_for_{SHORT_GENERATION}_tokens": short,
+                             "fixed_seconds": max(0.0, sec - per_token * a.new_tokens),
+                             "marginal_tokens_per_second": 1 / per_token if per_token > 0
+                             else None,
+                             "peak_gpu_bytes": peak})
         del s
         free_memory()
     cpu_tps = out["sides"][0]["tokens_per_second"]
     out["ratio"] = out["sides"][1]["tokens_per_second"] / cpu_tps
+    m = [x["marginal_tokens_per_second"] for x in out["sides"]]
+    out["marginal_ratio"] = m[1] / m[0] if m[0] and m[1] else None
     if len(sides) > 2:
         out["eager_ratio"] = out["sides"][2]["tokens_per_second"] / cpu_tps
     out["same_sampled_tokens"] = all(t[0] == texts[0][0] for t in texts)
@@ -813,8 +834,11 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         elif name == "generate":
             s = v["sides"]
             sides = " | ".join(f"{x['device']}{' graph' if x.get('cuda_graph') else ''} "
-                               f"{x['tokens_per_second']:,.1f} tok/s" for x in s)
-            lines.append(f"{name:<14} {sides} | ratio {v['ratio']:.1f} (target "
+                               f"{x['tokens_per_second']:,.1f} tok/s "
+                               f"({x.get('fixed_seconds', 0):.2f} s fixed)" for x in s)
+            marginal = (f", {v['marginal_ratio']:.1f} a token past the fixed cost"
+                        if v.get("marginal_ratio") else "")
+            lines.append(f"{name:<14} {sides} | ratio {v['ratio']:.1f}{marginal} (target "
                          f"{GENERATE_TARGET:g}) | same tokens {v['same_sampled_tokens']}")
         elif name == "shared":
             for run, x in v["runs"].items():

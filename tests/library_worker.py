@@ -87,6 +87,10 @@ def main() -> int:
                 while not Path(a.hold.split(":", 1)[1]).exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
             if a.die_at and run.step == a.die_at:
+                # The checkpoint written in the background finished first: a restart's tests
+                # then know which step is on disk (a kill during a write is checkpoint
+                # tests' business: a torn write is never taken).
+                run.ckpt.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
     with open(a.out, "w") as f:
         json.dump({"replica": a.replica, "step": run.step, "first_step": first,

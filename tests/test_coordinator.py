@@ -119,9 +119,12 @@ def test_the_coordinator_killed_and_restarted_every_replica_finishes(tmp_path, c
     # NoLoCo within 2%. DiLoCo pays more: its first all-reduce after the outage is one outer
     # step over all of it (H ~ 30-40 instead of 10, with Nesterov momentum); measured +2.2% to
     # +2.9% at 200 steps whatever the outage's share of the run (12-50%), and -0.5% (NoLoCo)
-    # and +0.3% (DiLoCo) at these 120, so its bound is 4%.
+    # and +0.3% (DiLoCo) at these 120. DiLoCo's spread is wide: where each replica goes on
+    # (step 56 to 60 here) sets the length of that outer step, and with it the loss: five
+    # runs of this test gave -2.1%, +0.3%, +0.3%, +2.2% and +4.01% (under CI's load), so its
+    # bound is 6%. (That the replicas met again is the bytes check above, not this one.)
     ref_loss = summary(tmp_path / "ref")["final_val_loss"]
-    bound = {"noloco": 0.02, "diloco": 0.04}[method]
+    bound = {"noloco": 0.02, "diloco": 0.06}[method]
     assert abs(s["final_val_loss"] - ref_loss) <= bound * ref_loss, (s["final_val_loss"],
                                                                      ref_loss)
 

@@ -163,3 +163,19 @@ def test_stop_agreement_the_largest_step_or_abandoned_for_everyone(monkeypatch):
     a, b = _worker(store, 0, 7), _worker(store, 1, 9)
     a(), b()
     assert a(abandon=True) == 9  # fixed already: giving up comes too late to change it
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("hang_at, slower", [(1, True), (12, False)])
+def test_the_steady_rate_leaves_the_first_steps_out(tmp_path, corpus, hang_at, slower):
+    """summary.json's steady_tokens_per_second (the GPU's MFU is computed from it) leaves a
+    process's first steps out, where --compile compiles: a 3 s stop after step 1 slows the
+    whole run's tokens/s alone; the same stop after step 12 slows both."""
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(corpus), "--steps", "20", "--eval-every", "20",
+                 "--batch-size", "4", "--seq-len", "32", "--eval-sequences", "4",
+                 "--checkpoint-every", "0", "--inject-fault", f"hang:0@{hang_at}:3",
+                 "--out", str(out)]) == 0
+    s = _read(out)[1]
+    ratio = s["steady_tokens_per_second"] / s["tokens_per_second"]
+    assert (ratio > 2) if slower else (ratio < 1.3), (ratio, s["tokens_per_second"])

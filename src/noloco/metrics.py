@@ -472,8 +472,9 @@ class WandB:
 
 def gpu_summary(trainer: Any, tokens_per_second: float, peak: float) -> dict[str, Any]:
     """Where the workers trained, what they held on the GPU, and the model FLOPs
-    utilisation: tokens/s × training FLOPs per token ÷ the peak FLOP/s of the run's GPUs
-    (noloco.footprint: 6·N + 12·L·d·s per token; the vendor's dense peak at the precision).
+    utilisation: steady tokens/s (from each process's third step: no compilation in it) ×
+    training FLOPs per token ÷ the peak FLOP/s of the run's GPUs (noloco.footprint:
+    6·N + 12·L·d·s per token; the vendor's dense peak at the precision).
     ``peak``: the most GPU memory any worker allocated (gathered by the caller)."""
     from noloco import distributed, footprint
 
@@ -595,6 +596,12 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
     train_s = trainer.loop_seconds() - st.eval_s
     stats = gather_scalars(trainer.world, lay, [st.compute_s, train_s])
     tps = trainer.tokens_per_step
+    # The steady rate: from the third step of each worker's process on (the first compiles
+    # under --compile), the slowest worker's seconds a step; the whole run where it is short.
+    mark = trainer.steady_from
+    steady = (train_s - mark[1]) / (t.steps - mark[0]) if mark and t.steps > mark[0] \
+        else train_s / max(t.steps, 1)
+    steady = gather_scalars(trainer.world, lay, [steady], "max")[0]
     summary = shared_summary(cfg, {r: {"val_loss": rec["val_loss_per_replica"][r],
                                        "bytes_sent": rec["bytes_sent_by_replica"][r],
                                        "sync_seconds": rec["sync_seconds_by_replica"][r]}
@@ -618,6 +625,7 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         "wall_seconds": trainer.wall_seconds(),
         "weight_spread": rec["weight_spread"],
         "tokens_per_second": t.steps * tps * lay.replicas / max(stats[1], 1e-9),
+        "steady_tokens_per_second": tps * lay.replicas / max(steady, 1e-9),
         "threads_per_worker": trainer.threads,
         # The largest resident set of any worker over the run (Linux reports kB).
         "peak_rss_bytes": int(gather_scalars(trainer.world, lay, [_peak_rss_bytes()], "max")[0]),
@@ -633,7 +641,7 @@ def run_summary(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.max_memory_allocated(trainer.device) if trainer.device.type == "cuda"
         else 0], "max")[0]
     if trainer.device.type == "cuda":
-        summary["gpu"] = gpu_summary(trainer, summary["tokens_per_second"], peak_gpu)
+        summary["gpu"] = gpu_summary(trainer, summary["steady_tokens_per_second"], peak_gpu)
     if lay.stages > 1:
         summary["param_bytes"] = sum(gather_scalars(trainer.world, lay, [trainer.param_bytes],
                                                     "stage_sum"))

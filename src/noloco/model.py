@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -111,12 +112,14 @@ class Attention(nn.Module):
         mask, causal = None, True
         if cache is None:
             cos, sin = rope_tables(t, self.head_dim, self.theta, x.device, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         else:
+            # one rotation for q and k together: the same numbers, half the kernels (a
+            # one-token step launches kernels, it hardly computes)
             cos, sin = cache.rope(t, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+            q, k = apply_rope(torch.cat((q, k), 1), cos, sin).split(self.n_heads, 1)
             k, v = cache.append(self, k, v)
-            mask, causal = cache.mask(t), False
+            mask, causal = cache.mask(t, q.dtype), False
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0
@@ -153,18 +156,28 @@ class KVCache:
         cos, sin = rope_tables(size, args.head_dim, args.rope_theta, torch.device(device),
                                torch.float32)
         self._cos, self._sin = cos, sin
+        self._now: dict[tuple[Any, ...], Any] = {}
+        """what every layer of the forward under way shares (its positions, their rotation
+        and mask), computed by the first layer that asks: the positions only move in
+        :meth:`advance`, which empties it"""
+
+    def _shared(self, key: tuple[Any, ...], make: Any) -> Any:
+        if key not in self._now:
+            self._now[key] = make()
+        return self._now[key]
 
     def _positions(self, t: int) -> torch.Tensor:
         # checked on the host's count (reading ``position`` would wait for the device); a
         # caller that replays a captured step keeps within ``size`` itself
         if self.length + t > self.size:
             raise ValueError(f"{self.length} + {t} positions do not fit a cache of {self.size}")
-        return self.position + self._offsets[:t]
+        return self._shared(("at", t), lambda: self.position + self._offsets[:t])
 
     def rope(self, t: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the ``t`` positions from ``position`` on."""
         at = self._positions(t)
-        return self._cos[at].to(dtype), self._sin[at].to(dtype)
+        return self._shared(("rope", t, dtype),
+                            lambda: (self._cos[at].to(dtype), self._sin[at].to(dtype)))
 
     def append(self, layer: nn.Module, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,13 +188,25 @@ class KVCache:
         self.v[i].index_copy_(2, at, v.to(self.v.dtype))
         return self.k[i].to(k.dtype), self.v[i].to(v.dtype)
 
-    def mask(self, t: int) -> torch.Tensor:
-        """(t, size): new query i (at position + i) sees the keys at positions up to its own."""
-        return self._offsets[None, :] <= self._positions(t)[:, None]
+    def mask(self, t: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(t, size): new query i (at position + i) sees the keys at positions up to its own.
+        Boolean; with ``dtype``, additive (0 or -inf, what attention makes of the boolean one,
+        made once for every layer instead of by each)."""
+        at = self._positions(t)
+        seen = self._shared(("mask", t), lambda: self._offsets[None, :] <= at[:, None])
+        if dtype is None:
+            return seen
+        return self._shared(("mask", t, dtype), lambda: torch.zeros(
+            seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf")))
+
+    def begin(self) -> None:
+        """A forward starts (a forward that failed half way may have left its tables)."""
+        self._now.clear()
 
     def advance(self, t: int) -> None:
         self.position += t
         self.length += t
+        self._now.clear()
 
 
 class SwiGLU(nn.Module):
@@ -235,6 +260,8 @@ class Transformer(nn.Module):
         """tokens (B, T) int64 → logits (B, T, vocab). With a cache, ``tokens`` continue the
         positions it holds, and their keys and values are added to it."""
         h = self.tok_embeddings(tokens)
+        if cache is not None:
+            cache.begin()
         for layer in self.layers:
             h = layer(h, cache)
         if cache is not None:

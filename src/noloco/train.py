@@ -57,6 +57,10 @@ checkpoint"""
 STOP_AGREE_MAX_SECONDS = 20.0
 """and never longer: torchrun kills a worker 30 s after it asked it to stop"""
 ABANDONED = -1
+STEADY_AFTER_STEPS = 3
+"""steps of a process before its steady rate is measured (``summary.json``'s
+``steady_tokens_per_second``, and the GPU's MFU): the first compile the model under
+``--compile``, and warm the allocator and the kernels' autotuning"""
 """the stop step of workers that could not agree on one: stop at once"""
 
 AVERAGED_METHODS = ("diloco", "noloco", "streaming", "sparseloco")
@@ -220,6 +224,9 @@ class Trainer:
         self.corpus_private_bytes = sum(a.nbytes for a in (corpus.train, corpus.val)
                                         if not isinstance(a, np.memmap))
         self.first_step_seconds: float | None = None
+        self.steady_from: tuple[int, float] | None = None
+        """(step, training seconds so far) once this process has done
+        :data:`STEADY_AFTER_STEPS` steps: the steady rate is measured from there"""
         """from this process's start to the end of its first inner step"""
         self.reader = data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, lay.replica,
                                              lay.replicas, seed=t.seed)
@@ -528,6 +535,7 @@ class Trainer:
             # uninterrupted run would have.
             self.evaluate(st.step, log)
         self.ckpt.start(st.step, self.loop_seconds())
+        done_here = 0  # steps of this process
         while st.step < t.steps:
             if self.elastic is not None:
                 self.elastic.between_steps()  # may move the step (a replica catching up)
@@ -550,6 +558,9 @@ class Trainer:
             st.step = self.status.step = step + 1
             if self.first_step_seconds is None:
                 self.first_step_seconds = process_age_seconds()
+            done_here += 1
+            if self.steady_from is None and done_here == STEADY_AFTER_STEPS:
+                self.steady_from = (st.step, self.loop_seconds() - st.eval_s)
             for beat in (self.watchdog, self.membership):
                 if beat is not None:
                     beat.step = st.step
