@@ -57,11 +57,11 @@ checkpoint"""
 STOP_AGREE_MAX_SECONDS = 20.0
 """and never longer: torchrun kills a worker 30 s after it asked it to stop"""
 ABANDONED = -1
+"""the stop step of workers that could not agree on one: stop at once"""
 STEADY_AFTER_STEPS = 3
 """steps of a process before its steady rate is measured (``summary.json``'s
 ``steady_tokens_per_second``, and the GPU's MFU): the first compile the model under
 ``--compile``, and warm the allocator and the kernels' autotuning"""
-"""the stop step of workers that could not agree on one: stop at once"""
 
 AVERAGED_METHODS = ("diloco", "noloco", "streaming", "sparseloco")
 """methods whose replicas end with different weights: their mean is saved as a model too"""
@@ -224,10 +224,10 @@ class Trainer:
         self.corpus_private_bytes = sum(a.nbytes for a in (corpus.train, corpus.val)
                                         if not isinstance(a, np.memmap))
         self.first_step_seconds: float | None = None
+        """from this process's start to the end of its first inner step"""
         self.steady_from: tuple[int, float] | None = None
         """(step, training seconds so far) once this process has done
         :data:`STEADY_AFTER_STEPS` steps: the steady rate is measured from there"""
-        """from this process's start to the end of its first inner step"""
         self.reader = data_mod.ShardedReader(corpus.train, d.seq_len, d.batch_size, lay.replica,
                                              lay.replicas, seed=t.seed)
         self.val = [(x.to(device), y.to(device)) for x, y in data_mod.validation_batches(
