@@ -95,3 +95,35 @@ def test_kv_cache_gives_the_logits_of_the_whole_sequence():
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="context is 16"):
         KVCache(args, 1, 17, "cpu")
+
+
+def test_the_inference_kernels_give_the_training_forwards_numbers_on_the_cpu():
+    """Inference in fp32 takes fused forms (one RMS norm kernel, q and k rotated as one
+    complex product on a cached step: fewer kernels for a GPU's one-token step). On the CPU
+    they give the training forward's numbers bit for bit, so evaluation and generation there
+    are what they were; training itself (gradients on) keeps the composite forms."""
+    from noloco.model import RMSNorm, apply_rope, apply_rotation, rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(48, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    for shape in [(1, 1, 48), (3, 17, 48), (2, 64, 48)]:
+        x = torch.randn(shape, generator=g)
+        composite = norm(x)  # gradients on: the training form
+        with torch.no_grad():
+            assert torch.equal(norm(x), composite)
+    for b, h, t, d in [(1, 8, 1, 16), (2, 6, 13, 16), (1, 4, 64, 32)]:
+        x = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # as attention holds q
+        x = torch.cat((x, x.flip(0)), 1)  # and as a cached step rotates q and k together
+        cos, sin = rope_tables(t, d, 10000.0, torch.device("cpu"), torch.float32)
+        assert torch.equal(apply_rotation(x, torch.complex(cos, sin), cos, sin),
+                           apply_rope(x, cos, sin))
+        assert torch.equal(apply_rotation(x.bfloat16(), torch.complex(cos, sin), cos, sin),
+                           apply_rope(x.bfloat16(), cos, sin))  # (not fp32: the real form)
+    # the whole model: a forward without gradients equals one with them, bit for bit
+    m = build(SMALL, seed=1)
+    tokens = torch.randint(0, 257, (2, 20), generator=g)
+    with torch.no_grad():
+        inferred = m(tokens)
+    assert torch.equal(inferred, m(tokens))
