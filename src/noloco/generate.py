@@ -170,6 +170,7 @@ def pick(logits: torch.Tensor, u: torch.Tensor, temperature: float, top_k: int |
     return index[j]
 
 
+@torch.no_grad()  # (a caller's gradients would keep every step's graph, and slow forms)
 def sample(s: _Sampler, ids: list[int], max_tokens: int, temperature: float,
            top_k: int | None, seed: int, cache: bool = True, graph: bool | None = None
            ) -> list[int]:
