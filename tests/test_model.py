@@ -127,3 +127,23 @@ def test_the_inference_kernels_give_the_training_forwards_numbers_on_the_cpu():
     with torch.no_grad():
         inferred = m(tokens)
     assert torch.equal(inferred, m(tokens))
+
+
+def test_a_cache_stacks_the_projections_with_the_same_numbers_on_the_cpu():
+    """A cached step computes q, k and v in one product, and the feed-forward's gate and up
+    in another (their weights stacked once a cache): on the CPU the logits equal those of
+    one product each (``fuse=False``) bit for bit, so the cached sampler's tokens are
+    what they were."""
+    from noloco.model import KVCache
+
+    m = build(SMALL, seed=2).eval()
+    tokens = torch.randint(0, 257, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = {}
+    with torch.no_grad():
+        for fuse in (False, True):
+            cache = KVCache(SMALL, 2, 12, "cpu", fuse=fuse)
+            parts = [m(tokens[:, :5], cache)] + [m(tokens[:, i:i + 1], cache)
+                                                  for i in range(5, 12)]
+            out[fuse] = torch.cat(parts, 1)
+            assert len(cache._weights) == (2 * SMALL.n_layers if fuse else 0)
+    assert torch.equal(out[True], out[False])
