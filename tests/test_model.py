@@ -147,3 +147,11 @@ def test_a_cache_stacks_the_projections_with_the_same_numbers_on_the_cpu():
             out[fuse] = torch.cat(parts, 1)
             assert len(cache._weights) == (2 * SMALL.n_layers if fuse else 0)
     assert torch.equal(out[True], out[False])
+
+
+def test_a_cache_stacks_weights_only_for_a_model_small_enough():
+    from noloco.model import KVCache
+
+    assert KVCache(preset("small"), 1, 8, "meta").fuse  # 0.22 GiB of copies
+    assert not KVCache(preset("medium"), 1, 8, "meta").fuse  # 3.1 GiB
+    assert not KVCache(preset("small"), 1, 8, "meta", fuse=False).fuse

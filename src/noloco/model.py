@@ -67,6 +67,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled()
+                and x.device.type in ("cpu", "cuda")  # (autocast knows no "meta")
                 and not torch.is_autocast_enabled(x.device.type)):
             # Inference in fp32 (evaluation, generation): one fused kernel on a GPU, where a
             # one-token step is bound by its count of kernels; on the CPU the same operations
@@ -150,6 +151,11 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(b, t, d))
 
 
+STACK_LIMIT_BYTES = 512 * 2**20
+"""the most that a cache's stacked copies of the projection weights may take (``small`` in
+fp32: 0.22 GiB; ``medium``: 3.1 GiB, whose one-token step reads 12 GB of weights anyway)"""
+
+
 class KVCache:
     """Keys and values of the positions seen so far, for generation: each new token then
     costs one position's work instead of the whole context's.
@@ -163,7 +169,7 @@ class KVCache:
     written, kept by eager forwards only (a replayed graph runs no Python)."""
 
     def __init__(self, args: ModelArgs, batch: int, size: int, device: torch.device | str,
-                 dtype: torch.dtype = torch.float32, fuse: bool = True) -> None:
+                 dtype: torch.dtype = torch.float32, fuse: bool | None = None) -> None:
         if not 0 < size <= args.max_seq_len:
             raise ValueError(f"a cache of {size} positions (the model's context is "
                              f"{args.max_seq_len})")
@@ -179,7 +185,10 @@ class KVCache:
         cos, sin = rope_tables(size, args.head_dim, args.rope_theta, torch.device(device),
                                torch.float32)
         self._cos, self._sin = cos, sin
-        self.fuse = fuse
+        stacked = args.n_layers * (3 * args.dim ** 2 + 2 * args.dim * args.ffn_dim)
+        self.fuse = (stacked * dtype.itemsize <= STACK_LIMIT_BYTES) if fuse is None else fuse
+        """whether :meth:`project` stacks the weights (default: where the copies are small;
+        a bigger model's step is bound by reading its weights, not by its launches)"""
         self._weights: dict[int, torch.Tensor] = {}
         self._now: dict[tuple[Any, ...], Any] = {}
         """what every layer of the forward under way shares (its positions, their rotation
@@ -209,7 +218,7 @@ class KVCache:
         """``x`` through each of ``linears`` (without bias), their outputs side by side: one
         product with their weights stacked, made the first time ``owner`` asks (the model's
         weights do not change while a cache lives: it serves one generation). On the CPU the
-        same numbers as one product each (tested); ``fuse=False``: one product each."""
+        same numbers as one product each (tested); without :attr:`fuse`, one product each."""
         if not self.fuse:
             return torch.cat([lin(x) for lin in linears], -1)
         w = self._weights.get(id(owner))
