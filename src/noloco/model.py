@@ -242,16 +242,14 @@ class KVCache:
         self.v[i].index_copy_(2, at, v.to(self.v.dtype))
         return self.k[i].to(k.dtype), self.v[i].to(v.dtype)
 
-    def mask(self, t: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(t, size): new query i (at position + i) sees the keys at positions up to its own.
-        Boolean; with ``dtype``, additive (0 or -inf, what attention makes of the boolean one,
-        made once for every layer instead of by each)."""
+    def mask(self, t: int, dtype: torch.dtype) -> torch.Tensor:
+        """(t, size), additive: new query i (at position + i) sees the keys at positions up to
+        its own (0), not the others (-inf: what attention makes of a boolean mask, made once
+        for every layer instead of by each)."""
         at = self._positions(t)
-        seen = self._shared(("mask", t), lambda: self._offsets[None, :] <= at[:, None])
-        if dtype is None:
-            return seen
         return self._shared(("mask", t, dtype), lambda: torch.zeros(
-            seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf")))
+            (t, self.size), dtype=dtype, device=at.device).masked_fill_(
+                self._offsets[None, :] > at[:, None], float("-inf")))
 
     def begin(self) -> None:
         """A forward starts (a forward that failed half way may have left its tables)."""
