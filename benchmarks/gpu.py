@@ -52,17 +52,24 @@ itself and the codec step skips the GPU side, saying so.
 
     PYTHONPATH=src python3 benchmarks/gpu.py --quick --device cpu --out /tmp/x
 
-Every step at once takes longer than one device call may (the shared steps alone took ~5 min
-on an H100), and steps past ``--budget-s`` are skipped. A device session of 15 minutes runs it
-in two calls, each writing its own record (give each a timeout with room to spare):
+Every step at once came to ~8 to 9 minutes by the step times of the H100 and H200 records
+(the shared step alone ~170 s, each of its runs ~13 s of start-up). The shared runs are now 40
+steps instead of 60 (the elastic one keeps 60: its killed replica must find the others still
+training after a fresh process's CUDA start), which by those records brings the whole script to
+~7.5 minutes: one device call, its timeout with room (not yet confirmed on a GPU):
 
-    # ~5 min: the loop against the bare loop (eager bf16, compiled), generation, the codecs,
-    # the library's elastic loop on the GPU
-    PYTHONPATH=src python3 benchmarks/gpu.py --compile --budget-s 420 --out $OUT \
-        --only train_bf16,train_compile,generate,codecs,library
-    # ~5 min: four replicas sharing the GPU (every method, a pipeline, the CPU comparison,
-    # an elastic run with a replica killed), and the simulator
-    PYTHONPATH=src python3 benchmarks/gpu.py --budget-s 420 --out $OUT \
+    PYTHONPATH=src python3 benchmarks/gpu.py --compile --out $OUT      # --budget-s 450
+
+Steps that would start past ``--budget-s`` are skipped (recorded, exit 1). Where a session
+must keep time for a rerun, the same in two calls of ~4 minutes, each writing its own record:
+
+    # the loop against the bare loop (eager bf16, compiled), checkpoints, generation, the
+    # codecs, the library's elastic loop on the GPU
+    PYTHONPATH=src python3 benchmarks/gpu.py --compile --out $OUT \
+        --only train_fp32,train_bf16,train_compile,checkpoint,generate,codecs,library
+    # four replicas sharing the GPU (every method, a pipeline, the CPU comparison, an
+    # elastic run with a replica killed), and the simulator
+    PYTHONPATH=src python3 benchmarks/gpu.py --out $OUT \
         --only shared,shared_vs_cpu,shared_elastic,simulate
 """
 
@@ -130,7 +137,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-replicas", type=int, default=None,
                    help="replicas sharing the device in the shared steps (4; 2 --quick)")
     p.add_argument("--shared-steps", type=int, default=None,
-                   help="steps of each shared run (60; 12 --quick); H is a fifth of it")
+                   help="steps of each shared run (40; 30 --quick); H is a fifth of it")
+    p.add_argument("--elastic-steps", type=int, default=None,
+                   help="steps of the shared elastic run (60; 30 --quick)")
     p.add_argument("--shared-seq-len", type=int, default=None,
                    help="tokens per sequence in the shared runs (256; 64 --quick)")
     p.add_argument("--max-tokens", type=int, default=None,
@@ -141,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default=None, help="run these steps alone (comma-separated: "
                    + ", ".join(STEPS) + ")")
     p.add_argument("--budget-s", type=float, default=None, help="steps that would start after "
-                   "this many seconds are skipped (recorded as such; default 330, --quick 240)")
+                   "this many seconds are skipped (recorded as such; default 450, --quick 240)")
     p.add_argument("--out", "--out-dir", dest="out", default=None, help="folder for the JSON "
                    "and PNG (default: the scratch directory, or benchmarks/results/ with "
                    "--record)")
@@ -150,20 +159,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = {"preset": "tiny", "seq_len": 64, "batch_size": 4, "steps": 8, "warmup_steps": 2,
              "sync_every": 4, "diloco_steps": 12, "new_tokens": 24, "codec_numel": 1 << 16,
              "codec_repeats": 2, "max_tokens": 200_000, "budget_s": 240.0,
-             "shared_replicas": 2, "shared_steps": 30, "shared_seq_len": 64}
+             "shared_replicas": 2, "shared_steps": 30, "elastic_steps": 30, "shared_seq_len": 64}
     full = {"preset": "small", "seq_len": 1024, "batch_size": 8, "steps": 30, "warmup_steps": 5,
             "sync_every": 50, "diloco_steps": 150, "new_tokens": 200, "codec_numel": 1 << 22,
-            "codec_repeats": 5, "max_tokens": 2_000_000, "budget_s": 330.0,
-            "shared_replicas": 4, "shared_steps": 60, "shared_seq_len": 256}
+            "codec_repeats": 5, "max_tokens": 2_000_000, "budget_s": 450.0,
+            "shared_replicas": 4, "shared_steps": 40, "elastic_steps": 60, "shared_seq_len": 256}
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.steps < a.warmup_steps + 3:
         p.error("--steps must exceed --warmup-steps by at least 3")
     for k in ("seq_len", "batch_size", "sync_every", "diloco_steps", "new_tokens",
-              "codec_numel", "codec_repeats", "max_tokens"):
+              "codec_numel", "codec_repeats", "max_tokens", "shared_replicas", "shared_steps"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.elastic_steps < 6:
+        p.error("--elastic-steps must be >= 6 (a replica is killed at a third of them)")
     if a.codec_numel >= 1 << 24:
         p.error("--codec-numel must be below 2^24 (the distinct input's values are exact)")
     import torch
@@ -414,12 +425,13 @@ def checkpoint_step(a: argparse.Namespace, tmp: Path, precision: str) -> dict[st
 
 # ---- steps: replicas sharing the device ------------------------------------------------------
 
-def shared_argv(a: argparse.Namespace, out: Path, preset: str, device: str, *extra: str
-                ) -> list[str]:
-    h = max(4, a.shared_steps // 5)
+def shared_argv(a: argparse.Namespace, out: Path, preset: str, device: str, *extra: str,
+                steps: int | None = None) -> list[str]:
+    steps = a.shared_steps if steps is None else steps
+    h = max(4, steps // 5)
     argv = noloco_argv(a, out, "--replicas", str(a.shared_replicas), "--steps",
-                       str(a.shared_steps), "--sync-every", str(h), "--eval-every",
-                       str(a.shared_steps), "--checkpoint-every", "0", *extra)
+                       str(steps), "--sync-every", str(h), "--eval-every",
+                       str(steps), "--checkpoint-every", "0", *extra)
     argv[argv.index("--preset") + 1] = preset
     argv[argv.index("--seq-len") + 1] = str(a.shared_seq_len)
     argv[argv.index("--device") + 1] = device
@@ -559,12 +571,13 @@ def shared_elastic_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """Elastic NoLoCo, the replicas sharing the device; one is killed and respawned: it must
     rejoin from a donor (its state sent through host buffers) and every replica finish."""
     run = tmp / "shared_elastic"
-    kill_at = a.shared_steps // 3
+    kill_at = a.elastic_steps // 3
     # every step paced (0.25 s at least): the others are still training when the killed
     # replica's new process has started, so it has someone to join
     faults = [f"kill:1@{kill_at}"] + [f"pace:{r}:0.25" for r in range(a.shared_replicas)]
     argv = shared_argv(a, run, a.preset, a.device, "--method", "noloco", "--elastic",
-                       "--inject-fault", ",".join(faults), "--respawn", "1")
+                       "--inject-fault", ",".join(faults), "--respawn", "1",
+                       steps=a.elastic_steps)
     with env(NOLOCO_HOST_STAGING="1" if a.device == "cpu" else None):  # the GPU's path
         _, s, wall = run_noloco(argv)
     el = s.get("elastic") or {}
@@ -573,7 +586,8 @@ def shared_elastic_step(a: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     if finished != list(range(a.shared_replicas)) or not joined or not s.get("host_staged"):
         raise RuntimeError(f"elastic: finished {finished}, joins {el.get('joins')}")
     shutil.rmtree(run, ignore_errors=True)
-    return {"killed": f"replica 1 at step {kill_at}", "replicas_finished": finished,
+    return {"killed": f"replica 1 at step {kill_at}", "steps": a.elastic_steps,
+            "replicas_finished": finished,
             "peak_gpu_memory_bytes": s.get("peak_gpu_memory_bytes"),
             "join": joined[0], **shared_facts(s, wall)}
 
