@@ -155,3 +155,45 @@ def test_a_cache_stacks_weights_only_for_a_model_small_enough():
     assert KVCache(preset("small"), 1, 8, "meta").fuse  # 0.22 GiB of copies
     assert not KVCache(preset("medium"), 1, 8, "meta").fuse  # 3.1 GiB
     assert not KVCache(preset("small"), 1, 8, "meta", fuse=False).fuse
+
+
+def test_a_cached_one_token_step_dispatches_a_bounded_count_of_operations():
+    """A GPU's one-token step is bound by its count of kernels, not by its arithmetic (the
+    H200 replayed ~450 small kernels a token in 1.3 ms), and CI has no GPU to time it: so
+    the operations the step dispatches are counted here, on the CPU. Per layer: four matrix
+    products (q|k|v, the output, gate|up, down), one complex product rotating q and k, two
+    cache writes, one attention; the positions' tables and mask once for the forward, not
+    per layer. Views are free (no kernel) and not counted."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from noloco.model import KVCache
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            if not func.is_view and func.overloadpacket.__name__ != "_unsafe_view":
+                self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    args = preset("tiny", vocab_size=257)
+    m = build(args, seed=0).eval()
+    cache = KVCache(args, 1, 16, "cpu")
+    n = args.n_layers
+    with torch.no_grad():
+        m(torch.zeros(1, 5, dtype=torch.long), cache)
+        with Count() as c:
+            m(torch.zeros(1, 1, dtype=torch.long), cache)
+    ops = c.ops
+    assert ops["mm"] == 4 * n + 1, ops  # and the output head
+    assert ops["cat"] == 0, ops  # the stacked weights made once, by the prompt's forward
+    assert ops["index_copy_"] == 2 * n, ops
+    assert ops["complex"] == 1 and ops["masked_fill_"] == 1 and ops["index"] == 2, ops
+    assert sum(v for k, v in ops.items() if "scaled_dot_product" in k) == n, ops
+    # The rest: the norms (one fused kernel each on a GPU; on the CPU six operations), the
+    # rotation, the residual adds, the SwiGLU's two; 28 a layer on the CPU with 2.13.
+    assert sum(ops.values()) <= 28 * n + 20, (sum(ops.values()), ops)
