@@ -25,7 +25,9 @@ Steps (each in its own try: an error is recorded and the others still run; the s
   graphed GPU's ratio to the CPU (issue target ≥ 10×) and the eager one's, and whether the
   texts agree. Each side also times a call of 8 tokens: the difference per token is a token's
   own cost (``marginal_tokens_per_second``, ``marginal_ratio``), the rest the call's fixed
-  cost (the prompt's forward; on the GPU the graph's capture).
+  cost (the prompt's forward; on the GPU the graph's capture). ``one_token_step``: what one
+  eager cached step launches (on the GPU its kernels, by the profiler; on the CPU its
+  dispatched operations): a GPU's token is bound by that count.
 - ``codecs``: FP4 block quantisation (``noloco.quant``) and chunk-wise top-k
   (``noloco.sparse``, ``--topk``, default 2 % with 2-bit values) of the same random input on
   CPU and GPU tensors: the time of each, and whether the encoded bytes agree. Three inputs:
@@ -632,6 +634,10 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
             short = time.perf_counter() - t0
             greedy = sample(s, ids, min(a.new_tokens, 32), 0.0, None, seed=0, graph=graph)
         texts.append((new, greedy))
+        try:
+            launched = step_launches(s.model, ids)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: never fail the step for it
+            launched = {"error": f"{type(e).__name__}: {e}"[:300]}
         per_token = (sec - short) / max(1, a.new_tokens - SHORT_GENERATION)
         out["sides"].append({"device": dev, "cuda_graph": graph, "seconds": sec,
                              "tokens_per_second": a.new_tokens / sec,
@@ -639,7 +645,7 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
                              "fixed_seconds": max(0.0, sec - per_token * a.new_tokens),
                              "marginal_tokens_per_second": 1 / per_token if per_token > 0
                              else None,
-                             "peak_gpu_bytes": peak})
+                             "peak_gpu_bytes": peak, "one_token_step": launched})
         del s
         free_memory()
     cpu_tps = out["sides"][0]["tokens_per_second"]
@@ -654,6 +660,45 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
     out["meets_target"] = out["ratio"] >= GENERATE_TARGET if a.device == "cuda" else None
     out["sample_text"] = bytes(t for t in texts[-1][0] if t < 256).decode("utf-8", "replace")
     return out
+
+
+def step_launches(model: Any, ids: list[int]) -> dict[str, Any]:
+    """What one eager cached one-token step launches: on a GPU its kernels (the profiler's
+    device events, copies and fills included: a replayed graph holds the same), on the CPU
+    the operations it dispatches, views left out (tests/test_model.py bounds the latter)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from noloco.model import KVCache
+
+    p = next(model.parameters())
+    kv = KVCache(model.args, 1, len(ids) + 2, p.device, p.dtype)
+    token = torch.tensor([ids[-1:]], device=p.device)
+    with torch.no_grad():
+        model(torch.tensor([ids], device=p.device), kv)
+        model(token, kv)  # warm: the stacked weights made, the kernels chosen
+        if p.is_cuda:
+            from torch.profiler import ProfilerActivity, profile
+
+            torch.cuda.synchronize(p.device)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                model(token, kv)
+                torch.cuda.synchronize(p.device)
+            kernels = [e.name for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA]
+            return {"kernels": len(kernels), "layers": model.args.n_layers,
+                    "distinct": sorted(set(kernels))[:60]}
+        names: list[str] = []
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                if not func.is_view and func.overloadpacket.__name__ != "_unsafe_view":
+                    names.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        with Ops():
+            model(token, kv)
+    return {"operations": len(names), "layers": model.args.n_layers}
 
 
 # ---- step: exchange codecs on CPU and GPU tensors -------------------------------------------
@@ -854,8 +899,13 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                                f"({x.get('fixed_seconds', 0):.2f} s fixed)" for x in s)
             marginal = (f", {v['marginal_ratio']:.1f} a token past the fixed cost"
                         if v.get("marginal_ratio") else "")
+            step = s[-1].get("one_token_step") or {}
+            launched = (f" | a step {step['kernels']} kernels" if "kernels" in step else
+                        f" | a step {step['operations']} operations" if "operations" in step
+                        else "")
             lines.append(f"{name:<14} {sides} | ratio {v['ratio']:.1f}{marginal} (target "
-                         f"{GENERATE_TARGET:g}) | same tokens {v['same_sampled_tokens']}")
+                         f"{GENERATE_TARGET:g}) | same tokens {v['same_sampled_tokens']}"
+                         f"{launched}")
         elif name == "shared":
             for run, x in v["runs"].items():
                 g = x.get("gpu") or {}

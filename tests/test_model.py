@@ -195,5 +195,6 @@ def test_a_cached_one_token_step_dispatches_a_bounded_count_of_operations():
     assert ops["complex"] == 1 and ops["masked_fill_"] == 1 and ops["index"] == 2, ops
     assert sum(v for k, v in ops.items() if "scaled_dot_product" in k) == n, ops
     # The rest: the norms (one fused kernel each on a GPU; on the CPU six operations), the
-    # rotation, the residual adds, the SwiGLU's two; 28 a layer on the CPU with 2.13.
-    assert sum(ops.values()) <= 28 * n + 20, (sum(ops.values()), ops)
+    # rotation, the residual adds, the SwiGLU's two; 24 a layer and 16 more on the CPU with
+    # torch 2.13.
+    assert sum(ops.values()) <= 24 * n + 20, (sum(ops.values()), ops)
