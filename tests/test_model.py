@@ -198,3 +198,27 @@ def test_a_cached_one_token_step_dispatches_a_bounded_count_of_operations():
     # rotation, the residual adds, the SwiGLU's two; 24 a layer and 16 more on the CPU with
     # torch 2.13.
     assert sum(ops.values()) <= 24 * n + 20, (sum(ops.values()), ops)
+
+
+def test_a_caches_buffers_are_aligned_for_gpu_attention_with_the_same_logits():
+    """The buffers hold a multiple of 16 positions (within the context), so a GPU's attention
+    takes the mask as it is instead of copying it padded in every layer; the slots past the
+    cache's size are masked out: the logits are those of a cache of the exact size, and the
+    size still bounds what may be written."""
+    from noloco.model import ALIGN_SLOTS, KVCache
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, ffn_dim=64, vocab_size=50, max_seq_len=40)
+    assert ALIGN_SLOTS == 16
+    assert [KVCache(args, 1, n, "cpu").k.size(-2) for n in (1, 12, 16, 17, 33, 40)] == [
+        16, 16, 16, 32, 40, 40]  # (40: the context, not 48)
+    m = build(args, seed=4).eval()
+    tokens = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = KVCache(args, 1, 12, "cpu")
+        parts = [m(tokens[:, :5], cache)]
+        assert cache.mask(1, torch.float32).shape == (1, 16)
+        parts += [m(tokens[:, i:i + 1], cache) for i in range(5, 12)]
+        with pytest.raises(ValueError, match="do not fit a cache of 12"):
+            m(tokens[:, :1], cache)
+        full = m(tokens)
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)

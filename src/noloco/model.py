@@ -156,12 +156,19 @@ STACK_LIMIT_BYTES = 512 * 2**20
 fp32: 0.22 GiB; ``medium``: 3.1 GiB, whose one-token step reads 12 GB of weights anyway)"""
 
 
+ALIGN_SLOTS = 16
+"""a cache's buffers hold a multiple of this many positions (its size rounded up, within the
+context): a GPU's memory-efficient attention copies an additive mask whose key length is not a
+multiple of 16 into a padded one, in every layer of every step (PyTorch's ``preprocess_mask``);
+the slots past the size are masked out like any position not yet written"""
+
+
 class KVCache:
     """Keys and values of the positions seen so far, for generation: each new token then
     costs one position's work instead of the whole context's.
 
-    Static: every layer's keys and values live in buffers of ``size`` positions allocated
-    once, and the next position is a device tensor (``position``). A forward writes its
+    Static: every layer's keys and values live in buffers of ``size`` positions (rounded up
+    to :data:`ALIGN_SLOTS`) allocated once, and the next position is a device tensor (``position``). A forward writes its
     positions in place and attends over the whole buffer through a mask (a key at a position
     not yet written is masked out), so a one-token step has the same shapes and the same
     memory every time and launches no host-dependent work: it can be captured in a CUDA graph
@@ -173,16 +180,18 @@ class KVCache:
         if not 0 < size <= args.max_seq_len:
             raise ValueError(f"a cache of {size} positions (the model's context is "
                              f"{args.max_seq_len})")
-        shape = (args.n_layers, batch, args.n_heads, size, args.head_dim)
+        slots = min(-(-size // ALIGN_SLOTS) * ALIGN_SLOTS, args.max_seq_len)
+        shape = (args.n_layers, batch, args.n_heads, slots, args.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.size = size
+        """the positions it holds (the buffers' slots past it: :data:`ALIGN_SLOTS`)"""
         self.position = torch.zeros((), dtype=torch.long, device=device)
         """the next position to write (a device tensor, advanced in place)"""
         self.length = 0
         self._slot: dict[int, int] = {}  # id(attention layer) -> its index in the buffers
-        self._offsets = torch.arange(size, device=device)
-        cos, sin = rope_tables(size, args.head_dim, args.rope_theta, torch.device(device),
+        self._offsets = torch.arange(slots, device=device)
+        cos, sin = rope_tables(slots, args.head_dim, args.rope_theta, torch.device(device),
                                torch.float32)
         self._cos, self._sin = cos, sin
         stacked = args.n_layers * (3 * args.dim ** 2 + 2 * args.dim * args.ffn_dim)
@@ -243,12 +252,12 @@ class KVCache:
         return self.k[i].to(k.dtype), self.v[i].to(v.dtype)
 
     def mask(self, t: int, dtype: torch.dtype) -> torch.Tensor:
-        """(t, size), additive: new query i (at position + i) sees the keys at positions up to
+        """(t, slots), additive: new query i (at position + i) sees the keys at positions up to
         its own (0), not the others (-inf: what attention makes of a boolean mask, made once
         for every layer instead of by each)."""
         at = self._positions(t)
         return self._shared(("mask", t, dtype), lambda: torch.zeros(
-            (t, self.size), dtype=dtype, device=at.device).masked_fill_(
+            (t, self._offsets.numel()), dtype=dtype, device=at.device).masked_fill_(
                 self._offsets[None, :] > at[:, None], float("-inf")))
 
     def begin(self) -> None:
