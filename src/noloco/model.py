@@ -168,11 +168,12 @@ class KVCache:
     costs one position's work instead of the whole context's.
 
     Static: every layer's keys and values live in buffers of ``size`` positions (rounded up
-    to :data:`ALIGN_SLOTS`) allocated once, and the next position is a device tensor (``position``). A forward writes its
-    positions in place and attends over the whole buffer through a mask (a key at a position
-    not yet written is masked out), so a one-token step has the same shapes and the same
-    memory every time and launches no host-dependent work: it can be captured in a CUDA graph
-    and replayed (:mod:`noloco.generate`). ``length`` is the host's count of the positions
+    to :data:`ALIGN_SLOTS`) allocated once, and the next position is a device tensor
+    (``position``). A forward writes its positions in place and attends over the whole
+    buffer through a mask (a key at a position not yet written is masked out), so a
+    one-token step has the same shapes and the same memory every time and launches no
+    host-dependent work: it can be captured in a CUDA graph and replayed
+    (:mod:`noloco.generate`). ``length`` is the host's count of the positions
     written, kept by eager forwards only (a replayed graph runs no Python)."""
 
     def __init__(self, args: ModelArgs, batch: int, size: int, device: torch.device | str,
