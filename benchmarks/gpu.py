@@ -85,6 +85,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -172,9 +173,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if a.steps < a.warmup_steps + 3:
         p.error("--steps must exceed --warmup-steps by at least 3")
     for k in ("seq_len", "batch_size", "sync_every", "diloco_steps", "new_tokens",
-              "codec_numel", "codec_repeats", "max_tokens", "shared_replicas", "shared_steps"):
+              "codec_numel", "codec_repeats", "max_tokens", "shared_steps", "shared_seq_len"):
         if getattr(a, k) < 1:
             p.error(f"--{k.replace('_', '-')} must be >= 1")
+    if a.shared_replicas < 2:
+        p.error("--shared-replicas must be >= 2 (the elastic run kills replica 1; the pipeline "
+                "run has 2 stages)")
     if a.elastic_steps < 6:
         p.error("--elastic-steps must be >= 6 (a replica is killed at a third of them)")
     if a.codec_numel >= 1 << 24:
@@ -644,16 +648,9 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
                              "peak_gpu_bytes": peak})
         del s
         free_memory()
-    # after every timing: the profiler is not left to weigh on a side timed after it
-    out["one_token_step"] = {}
-    for dev in dict.fromkeys(d for d, _ in sides):
-        try:
-            s = load_sampler(run).to(resolve_device(dev))
-            out["one_token_step"][dev] = step_launches(s.model, s.encode(PROMPT))
-            del s
-        except Exception as e:  # noqa: BLE001 - a diagnostic: never fail the step for it
-            out["one_token_step"][dev] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        free_memory()
+    # in a process of its own: the profiler (CUPTI) may slow this process's later timings
+    out["one_token_step"] = {dev: launches_in_child(run, dev)
+                             for dev in dict.fromkeys(d for d, _ in sides)}
     cpu_tps = out["sides"][0]["tokens_per_second"]
     out["ratio"] = out["sides"][1]["tokens_per_second"] / cpu_tps
     m = [x["marginal_tokens_per_second"] for x in out["sides"]]
@@ -666,6 +663,30 @@ def generate_step(a: argparse.Namespace, tmp: Path, run: Path | None) -> dict[st
     out["meets_target"] = out["ratio"] >= GENERATE_TARGET if a.device == "cuda" else None
     out["sample_text"] = bytes(t for t in texts[-1][0] if t < 256).decode("utf-8", "replace")
     return out
+
+
+def launches_in_child(run: Path, device: str) -> dict[str, Any]:
+    """:func:`step_launches` of ``run``'s model on ``device``, in a fresh process (an error
+    there is recorded, never raised: a diagnostic does not fail the step)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import gpu; "
+            "from noloco.generate import load_sampler, resolve_device; "
+            "s = load_sampler(sys.argv[2]).to(resolve_device(sys.argv[3])); "
+            "print(json.dumps(gpu.step_launches(s.model, s.encode(gpu.PROMPT))))")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [src, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    try:
+        proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent),
+                               str(run), device], capture_output=True, text=True, timeout=300,
+                              env=env)
+        if proc.returncode:
+            raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        if got.get("kernels") == 0 or got.get("operations") == 0:
+            raise RuntimeError(f"nothing counted: {got}")
+        return got
+    except Exception as e:  # noqa: BLE001 - a diagnostic: never fail the step for it
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def step_launches(model: Any, ids: list[int]) -> dict[str, Any]:

@@ -180,7 +180,8 @@ def test_a_cached_one_token_step_dispatches_a_bounded_count_of_operations():
                 self.ops[func.overloadpacket.__name__] += 1
             return func(*args, **(kwargs or {}))
 
-    args = preset("tiny", vocab_size=257)
+    # 8 layers: one more operation a layer (8) is more than the bound's slack (3)
+    args = preset("tiny", vocab_size=257, n_layers=8)
     m = build(args, seed=0).eval()
     cache = KVCache(args, 1, 16, "cpu")
     n = args.n_layers
@@ -195,8 +196,8 @@ def test_a_cached_one_token_step_dispatches_a_bounded_count_of_operations():
     assert ops["complex"] == 1 and ops["masked_fill_"] == 1 and ops["index"] == 2, ops
     assert sum(v for k, v in ops.items() if "scaled_dot_product" in k) == n, ops
     # The rest: the norms (one fused kernel each on a GPU; on the CPU six operations), the
-    # rotation, the residual adds, the SwiGLU's two; 24 a layer and 16 more on the CPU with
-    # torch 2.13.
+    # rotation, the residual adds, the SwiGLU's two: 24 a layer and 17 more, as counted with
+    # torch 2.13 (the version CI installs; another may decompose the CPU's norm otherwise).
     assert sum(ops.values()) <= 24 * n + 20, (sum(ops.values()), ops)
 
 

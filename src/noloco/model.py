@@ -158,9 +158,10 @@ fp32: 0.22 GiB; ``medium``: 3.1 GiB, whose one-token step reads 12 GB of weights
 
 ALIGN_SLOTS = 16
 """a cache's buffers hold a multiple of this many positions (its size rounded up, within the
-context): a GPU's memory-efficient attention copies an additive mask whose key length is not a
-multiple of 16 into a padded one, in every layer of every step (PyTorch's ``preprocess_mask``);
-the slots past the size are masked out like any position not yet written"""
+context): a GPU's memory-efficient attention copies an additive mask whose rows are not
+aligned (a multiple of 8 elements on CUDA, 16 on some other backends) into a padded one, in
+every layer of every step (PyTorch's ``preprocess_mask``); the slots past the size are masked
+out like any position not yet written"""
 
 
 class KVCache:
