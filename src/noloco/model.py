@@ -125,7 +125,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``residual``: ``residual`` + the output (:func:`project_add`)."""
         b, t, d = x.shape
         h, hd = self.n_heads, self.head_dim
         if cache is None:
@@ -148,7 +150,19 @@ class Attention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=causal,
             dropout_p=self.dropout if self.training else 0.0
         )
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return project_add(self.wo, y.transpose(1, 2).reshape(b, t, d), residual)
+
+
+def project_add(linear: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None
+                ) -> torch.Tensor:
+    """``linear(x)``, plus ``residual`` where given, added by the product itself (one kernel
+    instead of two). Only a cached one-token step passes a residual (:meth:`Block.forward`):
+    for one row the CPU gives the numbers of the separate sum, bit for bit (tested)."""
+    if residual is None:
+        return linear(x)
+    d = residual.size(-1)
+    return torch.addmm(residual.reshape(-1, d), x.reshape(-1, x.size(-1)),
+                       linear.weight.t()).view(residual.shape)
 
 
 STACK_LIMIT_BYTES = 512 * 2**20
@@ -200,6 +214,9 @@ class KVCache:
         self.fuse = (stacked * dtype.itemsize <= STACK_LIMIT_BYTES) if fuse is None else fuse
         """whether :meth:`project` stacks the weights (default: where the copies are small;
         a bigger model's step is bound by reading its weights, not by its launches)"""
+        self.add_in_product = True
+        """whether a one-token step adds each block's residual in its output products
+        (:func:`project_add`; off: the separate sums, for comparison)"""
         self._weights: dict[int, torch.Tensor] = {}
         self._now: dict[tuple[Any, ...], Any] = {}
         """what every layer of the forward under way shares (its positions, their rotation
@@ -279,11 +296,13 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """With ``residual``: ``residual`` + the output (:func:`project_add`)."""
         if cache is None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         gate, up = cache.project(self, (self.w1, self.w3), x).chunk(2, -1)  # (one product)
-        return self.w2(F.silu(gate) * up)
+        return project_add(self.w2, F.silu(gate) * up, residual)
 
 
 class Block(nn.Module):
@@ -296,6 +315,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(args.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        if (cache is not None and cache.add_in_product and x.size(0) * x.size(1) == 1
+                and not (self.training and self.drop.p > 0)
+                and not torch.is_autocast_enabled(x.device.type)):
+            # A one-token step (generation): each residual added by the output product
+            # itself; a GPU's step is bound by its count of kernels
+            x = self.attention(self.attention_norm(x), cache, residual=x)
+            return self.feed_forward(self.ffn_norm(x), cache, residual=x)
         x = x + self.drop(self.attention(self.attention_norm(x), cache))
         return x + self.drop(self.feed_forward(self.ffn_norm(x), cache))
 
