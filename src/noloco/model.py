@@ -317,6 +317,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if (cache is not None and cache.add_in_product and x.size(0) * x.size(1) == 1
                 and not (self.training and self.drop.p > 0)
+                and x.device.type in ("cpu", "cuda")  # (autocast knows no "meta")
                 and not torch.is_autocast_enabled(x.device.type)):
             # A one-token step (generation): each residual added by the output product
             # itself; a GPU's step is bound by its count of kernels
