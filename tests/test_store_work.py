@@ -68,7 +68,13 @@ def run_members(n: int, ops: int, mode: str) -> tuple[float, int, int]:
     return per_op, after, before
 
 
+# Alone: beside the other lanes in CI this test took 122-126 s, its member threads' agreements
+# running into the 120 s peer timeout (failed agreements in each of the session's three CI
+# logs of 2026-11-28, the request bound broken in one: 8.6 against 6.1 + 1.5). Alone, and
+# beside three busy loops, it passes in 6 s with none. The cause is not found yet.
 @pytest.mark.slow("member threads at a real store")
+@pytest.mark.alone("24 member threads whose agreements ran into the peer timeout beside "
+                   "other lanes")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mode", ["exchange", "all_reduce"])
 def test_store_work_per_operation_does_not_grow_with_the_replicas(mode):
