@@ -85,11 +85,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -672,27 +672,23 @@ def launches_in_child(run: Path, device: str) -> dict[str, Any]:
             "from noloco.generate import load_sampler, resolve_device; "
             "s = load_sampler(sys.argv[2]).to(resolve_device(sys.argv[3])); "
             "print(json.dumps(gpu.step_launches(s.model, s.encode(gpu.PROMPT))))")
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [src, *filter(None, [os.environ.get("PYTHONPATH")])])}
     try:
-        proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent),
-                               str(run), device], capture_output=True, text=True, timeout=300,
-                              env=env)
-        if proc.returncode:
-            raise RuntimeError((proc.stderr.strip().splitlines() or ["no output"])[-1])
+        proc, _ = common.run_checked([sys.executable, "-c", code,
+                                      str(Path(__file__).resolve().parent), str(run), device],
+                                     "the one-token step's count")
         got = json.loads(proc.stdout.strip().splitlines()[-1])
         if got.get("kernels") == 0 or got.get("operations") == 0:
             raise RuntimeError(f"nothing counted: {got}")
         return got
     except Exception as e:  # noqa: BLE001 - a diagnostic: never fail the step for it
-        return {"error": f"{type(e).__name__}: {e}"[:300]}
+        return {"error": f"{type(e).__name__}: {e}"[-300:]}
 
 
 def step_launches(model: Any, ids: list[int]) -> dict[str, Any]:
     """What one eager cached one-token step launches: on a GPU its kernels (the profiler's
     device events, copies and fills included: a replayed graph holds the same), on the CPU
-    the operations it dispatches, views left out (tests/test_model.py bounds the latter)."""
+    the operations it dispatches, views left out, each by name (tests/test_model.py bounds
+    them)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -715,17 +711,18 @@ def step_launches(model: Any, ids: list[int]) -> dict[str, Any]:
                        if e.device_type == torch.autograd.DeviceType.CUDA]
             return {"kernels": len(kernels), "layers": model.args.n_layers,
                     "distinct": sorted(set(kernels))[:60]}
-        names: list[str] = []
+        ops: Counter[str] = Counter()
 
         class Ops(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
                 if not func.is_view and func.overloadpacket.__name__ != "_unsafe_view":
-                    names.append(func.overloadpacket.__name__)
+                    ops[func.overloadpacket.__name__] += 1
                 return func(*args, **(kwargs or {}))
 
         with Ops():
             model(token, kv)
-    return {"operations": len(names), "layers": model.args.n_layers}
+    return {"operations": sum(ops.values()), "layers": model.args.n_layers,
+            "by_operation": dict(ops)}
 
 
 # ---- step: exchange codecs on CPU and GPU tensors -------------------------------------------

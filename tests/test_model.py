@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import sys
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -183,32 +187,16 @@ def test_a_cached_one_token_step_dispatches_a_bounded_count_of_operations():
     products (q|k|v, the output, gate|up, down; the last two adding the residual), one complex
     product rotating q and k, two cache writes, one attention; the positions' tables and mask
     once for the forward, not per layer. Views are free (no kernel) and not counted."""
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from noloco.model import KVCache
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ops: Counter[str] = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-            if not func.is_view and func.overloadpacket.__name__ != "_unsafe_view":
-                self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu import step_launches  # (what benchmarks/gpu.py records of a generated token)
 
     # 8 layers: one more operation a layer (8) is more than the bound's slack (3)
     args = preset("tiny", vocab_size=257, n_layers=8)
     m = build(args, seed=0).eval()
-    cache = KVCache(args, 1, 16, "cpu")
     n = args.n_layers
-    with torch.no_grad():
-        m(torch.zeros(1, 5, dtype=torch.long), cache)
-        with Count() as c:
-            m(torch.zeros(1, 1, dtype=torch.long), cache)
-    ops = c.ops
+    got = step_launches(m, [0] * 5)  # a prompt of 5, a step, then the step counted
+    ops = Counter(got["by_operation"])
+    assert got["operations"] == sum(ops.values())
     # q|k|v and gate|up, and the output head; the output and down products add the residual
     assert ops["mm"] == 2 * n + 1 and ops["addmm"] == 2 * n and ops["add"] <= 1, ops
     assert ops["cat"] == 0, ops  # the stacked weights made once, by the prompt's forward

@@ -59,6 +59,12 @@ def preset(name: str, **overrides) -> ModelArgs:
     return replace(PRESETS[name], **overrides)
 
 
+def plain_device(x: torch.Tensor) -> bool:
+    """``x`` on the CPU or a GPU with autocast off there: where the inference forms below
+    run (autocast would change their dtypes; it knows no "meta" device)."""
+    return x.device.type in ("cpu", "cuda") and not torch.is_autocast_enabled(x.device.type)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -67,8 +73,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled()
-                and x.device.type in ("cpu", "cuda")  # (autocast knows no "meta")
-                and not torch.is_autocast_enabled(x.device.type)):
+                and plain_device(x)):
             # Inference in fp32 (evaluation, generation): one fused kernel on a GPU, where a
             # one-token step is bound by its count of kernels; on the CPU the same operations
             # as below, bit for bit (tested). Training keeps the lines below and their
@@ -316,9 +321,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         if (cache is not None and cache.add_in_product and x.size(0) * x.size(1) == 1
-                and not (self.training and self.drop.p > 0)
-                and x.device.type in ("cpu", "cuda")  # (autocast knows no "meta")
-                and not torch.is_autocast_enabled(x.device.type)):
+                and not (self.training and self.drop.p > 0) and plain_device(x)):
             # A one-token step (generation): each residual added by the output product
             # itself; a GPU's step is bound by its count of kernels
             x = self.attention(self.attention_norm(x), cache, residual=x)
