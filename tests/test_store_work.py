@@ -48,14 +48,22 @@ def run_members(n: int, ops: int, mode: str) -> tuple[float, int, int]:
     before = server.num_keys()
     counted = [s.requests for s in stores]
 
+    late = [0] * n
+
     def run(i: int) -> None:
         comm = ElasticCommunicator(members[i], PEER_TIMEOUT)
         for c in range(ops):
             members[i].step = c + 1
             snap = comm.members()
-            group = (next((g for g in groups_of(snap, c, 2) if i in g), [i])
-                     if mode == "exchange" else snap)
-            assert comm.agree(group) == sorted(group)  # nobody is late here
+            group = sorted(next((g for g in groups_of(snap, c, 2) if i in g), [i])
+                           if mode == "exchange" else snap)
+            final = comm.agree(group)
+            # Nobody is slow here, but an agreement alone binds no member to wait for
+            # another (a transfer would): a thread the loaded machine stalls between its
+            # arrival and reading the decision, while its partner goes KEEP_OPS operations
+            # on and collects the keys, is late by the protocol. It leaves out only itself.
+            assert final in (group, [r for r in group if r != i]), (i, c, group, final)
+            late[i] += final != group
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
@@ -65,13 +73,20 @@ def run_members(n: int, ops: int, mode: str) -> tuple[float, int, int]:
     per_op = sum(s.requests - c for s, c in zip(stores, counted, strict=True)) / (n * ops)
     after = server.num_keys()
     monitor.stop()
+    assert not any(t.is_alive() for t in threads)
+    assert sum(late) <= n * ops // 20, late  # a stall now and then, not the rule
     return per_op, after, before
 
 
 # Alone: beside the other lanes in CI this test took 122-126 s, its member threads' agreements
-# running into the 120 s peer timeout (failed agreements in each of the session's three CI
-# logs of 2026-11-28, the request bound broken in one: 8.6 against 6.1 + 1.5). Alone, and
-# beside three busy loops, it passes in 6 s with none. The cause is not found yet.
+# running into the 120 s peer timeout (failed agreements in each of three CI logs of
+# 2026-11-28, the request bound broken in one: 8.6 against 6.1 + 1.5). Alone it passes in 6 s.
+# The likely cause, found the next day: a thread stalled between its wake and reading the
+# decision while its partner went KEEP_OPS operations on and deleted it — it then waited out
+# the peer timeout and decided on nobody, marking its partner (a stall of 0.5 s in 2% of the
+# waits reproduces it; the test below breaks it on purpose). Now such a thread is late at
+# once and marks nobody, which the loop above allows. It stays alone until a CI run beside
+# the other lanes shows the fix holds there.
 @pytest.mark.slow("member threads at a real store")
 @pytest.mark.alone("24 member threads whose agreements ran into the peer timeout beside "
                    "other lanes")
@@ -114,3 +129,79 @@ def test_await_value_outlasts_wakes_that_write_nothing():
     assert time.monotonic() - t0 >= 0.45
     t.join()
     assert await_value(a, "absent", 0.3) is None
+
+
+class Stalled:
+    """A store client whose thread stalls at a wait (after the wake, or before waiting) until
+    ``go`` is set, once: a thread the machine does not run for a while."""
+
+    def __init__(self, store: dist.TCPStore, after_wake: bool) -> None:
+        self.store, self.after_wake = store, after_wake
+        self.waiting, self.go = threading.Event(), threading.Event()
+
+    def wait(self, keys: list[str], timeout: timedelta) -> None:
+        stall = not self.go.is_set()
+        if stall and not self.after_wake:
+            self.waiting.set()
+            self.go.wait(30)
+        self.store.wait(keys, timeout)
+        if stall and self.after_wake:
+            self.waiting.set()
+            self.go.wait(30)
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("after_wake", [True, False], ids=["after_the_wake", "before_waiting"])
+def test_a_member_stalled_until_its_agreement_was_collected_is_late_and_marks_nobody(
+        store, after_wake):
+    """Member 1 arrives; member 0 completes the agreement, decides, and goes KEEP_OPS
+    operations on, deleting the agreement's keys, while member 1's thread stalls before reading
+    the decision. Member 1 then learns that it is late (its arrival is gone from the record)
+    — without waiting out the peer timeout when the decision's write woke it, and without
+    writing a decision of its own, which would mark member 0 as missing."""
+    from noloco.elastic.communicator import KEEP_OPS
+    from noloco.elastic.keys import missed_key
+
+    peer_timeout = 20.0 if after_wake else 3.0
+    other = dist.TCPStore(store.host, store.port, None, False, timedelta(seconds=20))
+    stalled = Stalled(other, after_wake)
+    members = [Membership(s, r, 2, peer_timeout).start(thread=False)
+               for r, s in enumerate([store, stalled])]
+    comms = [ElasticCommunicator(m, peer_timeout) for m in members]
+    got: list = []
+    t = threading.Thread(target=lambda: got.append((comms[1].agree([0, 1]),
+                                                    time.monotonic())))
+    t.start()
+    deadline = time.monotonic() + 20
+    while b"1," not in (probe(store, _arrivals(comms[1])) or b""):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    if after_wake:
+        assert comms[0].agree([0, 1]) == [0, 1]  # completes the count: decides; wakes 1
+        assert stalled.waiting.wait(20)
+    else:
+        assert stalled.waiting.wait(20)  # stalled before its wait
+        assert comms[0].agree([0, 1]) == [0, 1]
+    for _ in range(KEEP_OPS):
+        assert comms[0].agree([0]) == [0]  # alone: its owned keys of call 0 are collected
+    assert probe(store, _arrivals(comms[1])) is None
+    released = time.monotonic()
+    stalled.go.set()
+    t.join(30)
+    final, at = got[0]
+    assert final == [0]  # late: the others went on without it
+    assert comms[1].events[-1]["kind"] == "late" and comms[1].events[-1]["missing"] == []
+    assert probe(store, missed_key(0)) in (None, b"")  # member 0 is not marked as missing
+    if after_wake:
+        assert at - released < peer_timeout / 2, at - released  # no wait for the deadline
+    for m in members:
+        m.stop()
+
+
+def _arrivals(comm: ElasticCommunicator) -> str:
+    """The arrival record of ``comm``'s first operation, an agreement of members 0 and 1."""
+    from noloco.elastic.keys import op_tag
+    return f"{op_tag(0, comm.m.stage, 0, [0, 1])}/in"

@@ -254,7 +254,10 @@ class ElasticCommunicator(Communicator):
             # key's waiters) — and write it themselves if the writer died in between
             # (compare-and-set: one stands).
             if self.store.add(f"{key}/w", 1) > 1:
-                await_value(self.store, f"{key}/ok", self.peer_timeout)
+                # The claim counter gone: fixed and already collected while this replica
+                # stalled (it writes another, below).
+                await_value(self.store, f"{key}/ok", self.peer_timeout,
+                            gone=lambda: probe(self.store, f"{key}/w") is None)
                 got = probe(self.store, key)
             if got is None:
                 self._await_regroup()
@@ -354,8 +357,18 @@ class ElasticCommunicator(Communicator):
         self.store.append(arrivals, f"{self.rank},")
         if self.store.add(count, 1) >= len(group) and set(group) <= self._arrived(arrivals):
             final = self._decide(call, decided, list(group), group)
-        elif (got := await_value(self.store, decided, self.peer_timeout)) is not None:
+        elif (got := await_value(self.store, decided, self.peer_timeout,
+                                 gone=lambda: self.rank not in self._arrived(arrivals))
+              ) is not None:
             final = json.loads(got)
+        elif self.rank not in self._arrived(arrivals):
+            # Collected: this replica's arrival is on record until the operation's owner
+            # deletes its keys, KEEP_OPS operations later. So it was decided, and this
+            # replica stalled between its arrival and reading the decision for that long:
+            # whatever the decision, any transfer of it is over (the owner went on), so the
+            # others went on without it — it is late. It decides nothing: a decision written
+            # now would mark members that were never missing.
+            final = [r for r in group if r != self.rank]
         elif self._missed_since(call):
             # Decided without this replica long ago (those keys may be deleted): the
             # operation is over, and it says so — unless a decision stands. Its arrival is on

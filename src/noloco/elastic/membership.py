@@ -354,11 +354,17 @@ def probe(store: Any, key: str) -> bytes | None:
     return None if got == _ABSENT.encode() else got
 
 
-def await_value(store: Any, key: str, timeout: float) -> bytes | None:
+def await_value(store: Any, key: str, timeout: float,
+                gone: Callable[[], bool] | None = None) -> bytes | None:
     """The key's value once it is written, or None after ``timeout`` seconds. A store's
     ``wait`` can return before the key exists — torch's TCPStore wakes a key's waiters on any
     compare-and-set of it, one that writes nothing included (:func:`probe`) — so each wake is
-    checked, and the wait resumed until the deadline."""
+    checked, and the wait resumed until the deadline.
+
+    A wake that finds no value may also be the key's own write, deleted again before this
+    waiter read it (it stalled; the key's owner went on and collected it). ``gone`` tells
+    that apart — by another key the same owner deleted — and makes the wait end at once,
+    with None, instead of lasting until the deadline for a key that will not come back."""
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout
@@ -371,6 +377,8 @@ def await_value(store: Any, key: str, timeout: float) -> bytes | None:
         got = probe(store, key)
         if got is not None:
             return got
+        if gone is not None and time.monotonic() < deadline and gone():
+            return None
 
 
 def live_replicas(store: Any, replicas: int, stages: int) -> dict[int, dict[str, Any]]:
