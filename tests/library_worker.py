@@ -3,7 +3,7 @@
     python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
         [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
         [--checkpoint-dir D] [--coordinator etcd://...] [--barrier DIR] [--mark FILE]
-        [--hold STEP:FILE]
+        [--hold STEP:FILE] [--at STEP:FILE]
 
 Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
 
@@ -47,6 +47,7 @@ def main() -> int:
     p.add_argument("--coordinator", help="instead of 127.0.0.1:PORT (etcd://...)")
     p.add_argument("--mark", help="FILE: touched when this replica starts, before it joins")
     p.add_argument("--hold", help="STEP:FILE: at STEP, wait until FILE exists (at most 120 s)")
+    p.add_argument("--at", help="STEP:FILE: touch FILE once the loop reached STEP")
     p.add_argument("--barrier", help="DIR: after joining, wait until REPLICAS replicas have "
                    "(a file each in DIR): replicas that start together train together, "
                    "however slowly each process starts")
@@ -73,6 +74,7 @@ def main() -> int:
         while (len(list(Path(a.barrier).glob("ready-*"))) < a.replicas
                and time.monotonic() < deadline):
             time.sleep(0.05)
+    sent = {}  # step → bytes sent so far
     with run:
         while run.step < a.steps:
             x, y = batch(a.replica, run.step)
@@ -81,7 +83,10 @@ def main() -> int:
             opt.step()
             opt.zero_grad()
             print(f"step {run.step} loss {loss.item():.4f}", flush=True)
+            sent[run.step] = run.bytes_sent
             time.sleep(a.step_seconds)
+            if a.at and run.step == int(a.at.split(":")[0]):
+                Path(a.at.split(":", 1)[1]).touch()
             if a.hold and run.step == int(a.hold.split(":")[0]):
                 deadline = time.monotonic() + 120
                 while not Path(a.hold.split(":", 1)[1]).exists() and time.monotonic() < deadline:
@@ -96,6 +101,9 @@ def main() -> int:
         json.dump({"replica": a.replica, "step": run.step, "first_step": first,
                    "bytes_sent": run.bytes_sent, "staged": isinstance(run.comm, HostStaged),
                    "outer_steps": run.outer_steps, "joins": run.joins,
+                   # the elastic machinery's own records (not the handle's API)
+                   "outages": run.membership.outages, "events": run.comm.events,
+                   "bytes_by_step": sent,
                    "weights": [p.detach().flatten().tolist() for p in model.parameters()]}, f)
     return 0
 

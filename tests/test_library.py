@@ -439,3 +439,73 @@ def test_a_replica_that_starts_late_takes_the_live_state(tmp_path, host):
     assert res[2]["first_step"] >= 10 and "joined" in [j["kind"] for j in res[2]["joins"]]
     assert all(x["step"] == 60 for x in res)
     assert all(x["weights"] == res[0]["weights"] for x in res)
+
+
+def wait_for_files(files: list[Path], procs: list[subprocess.Popen], timeout: float) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while not all(f.exists() for f in files):
+        assert time.monotonic() < deadline, [f.name for f in files if not f.exists()]
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(p.communicate()[1][-3000:])
+        time.sleep(0.05)
+
+
+def coordinator(port: int) -> subprocess.Popen:
+    """`noloco coordinator` on ``port`` (the test session's secret: conftest's NOLOCO_SECRET)."""
+    p = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host", "127.0.0.1",
+                          "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=ENV)
+    assert p.stdout is not None and "listening on" in p.stdout.readline()
+    return p
+
+
+@pytest.mark.slow("three replica processes; their coordinator killed and started again")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", ["diloco", "noloco"])
+def test_a_coordinator_restarted_empty_the_loop_goes_on_in_a_new_epoch(tmp_path, method):
+    """`noloco coordinator` is killed (SIGKILL) once four replicas passed step 30 of 160, and
+    started again, empty, on the same address 4 s later. Every loop goes on through the
+    outage without an exception (DiLoCo skips its outer steps, NoLoCo trains alone, then
+    waits for the link), moves to epoch 1 and meets the others there again: bytes sent after
+    the outage, and DiLoCo ends on the same weights everywhere."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    coord = coordinator(port)
+    at = [tmp_path / f"at-{r}" for r in range(4)]
+    procs = [worker(port, r, 4, 160, tmp_path / f"out{r}.json", "--method", method,
+                    "--step-seconds", "0.1", "--barrier", str(tmp_path),
+                    "--at", f"30:{at[r]}") for r in range(4)]
+    try:
+        wait_for_files(at, procs, 120)
+        coord.send_signal(signal.SIGKILL)
+        coord.wait()
+        time.sleep(4)
+        coord = coordinator(port)  # the same address, empty
+        got = finish(procs, 200)
+    finally:
+        for p in [*procs, coord]:
+            p.kill()
+    for code, err in got:
+        assert code == 0, err[-3000:]
+        no_cpp_dump(err)
+        assert "the run's store restarted empty; the run goes on in epoch 1" in err, err[-3000:]
+    res = results(tmp_path, 4)
+    assert all(x["step"] == 160 for x in res)
+    for x in res:
+        assert [o["epoch"] for o in x["outages"]] == [1], x["outages"]
+        assert 30 <= x["outages"][0]["to_step"] < 130, x["outages"]
+        kinds = [e["kind"] for e in x["events"]]
+        assert "unreachable" in kinds and "realigned" in kinds, x["events"]
+        # it met the others in the new epoch: bytes sent in its last 20 steps (a step
+        # that a heal moved past is not in the record: the one before it)
+        sent = {int(k): v for k, v in x["bytes_by_step"].items()}
+        assert sent[160] > sent[max(k for k in sent if k <= 140)], sent
+    if method == "diloco":
+        assert all(x["weights"] == res[0]["weights"] for x in res)
