@@ -255,7 +255,10 @@ class ElasticCommunicator(Communicator):
             # (compare-and-set: one stands).
             if self.store.add(f"{key}/w", 1) > 1:
                 # The claim counter gone: fixed and already collected while this replica
-                # stalled (it writes another, below).
+                # stalled. It writes another, below, as a replica does that comes this far
+                # behind (KEEP_SNAPSHOTS): its partners of that operation, which waited for
+                # it in vain, marked it, so its agreement takes the missed path and marks
+                # nobody.
                 await_value(self.store, f"{key}/ok", self.peer_timeout,
                             gone=lambda: probe(self.store, f"{key}/w") is None)
                 got = probe(self.store, key)

@@ -361,19 +361,22 @@ def await_value(store: Any, key: str, timeout: float,
     compare-and-set of it, one that writes nothing included (:func:`probe`) — so each wake is
     checked, and the wait resumed until the deadline.
 
-    A wake that finds no value may also be the key's own write, deleted again before this
-    waiter read it (it stalled; the key's owner went on and collected it). ``gone`` tells
-    that apart — by another key the same owner deleted — and makes the wait end at once,
-    with None, instead of lasting until the deadline for a key that will not come back."""
+    The key may also have been written and deleted again before this waiter read it (it
+    stalled, after the wake or before it began to wait, while the key's owner went on and
+    collected it). ``gone`` tells that apart — by another key the same owner deletes — and
+    ends the wait with None: at the wake that found nothing, or (a deletion wakes no waiter)
+    at the end of a slice of an eighth of the timeout, at least a second; not at the
+    deadline, for a key that will not come back."""
     import torch.distributed as dist
 
     deadline = time.monotonic() + timeout
+    slice_ = timeout if gone is None else max(timeout / 8, 1.0)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return probe(store, key)
-        with contextlib.suppress(dist.DistStoreError):  # the deadline passed
-            store.wait([key], timedelta(seconds=left))
+        with contextlib.suppress(dist.DistStoreError):  # the slice or the deadline passed
+            store.wait([key], timedelta(seconds=min(left, slice_)))
         got = probe(store, key)
         if got is not None:
             return got
