@@ -86,6 +86,46 @@ def test_gloo_meets_through_etcd_and_a_heartbeat_lives_by_its_lease(cluster):
     wait_for(lambda: not hb.check(["hb/0"]), 10, "the lease to expire")  # stopped: gone
 
 
+@pytest.mark.timeout(60)
+def test_heartbeats_are_read_in_one_transaction_a_vanishing_one_costs_no_wait(cluster):
+    """A heartbeat's lease may expire at any moment (its replica died or stalled). Read as a
+    check, then a get, one that vanished in between made the get wait its whole request
+    deadline and fail: the snapshot's writer or a healer then counted itself cut off. Here
+    the key is deleted right after every check, as an expiry would: the read does not check
+    at all, and answers at once — through each kind of connection the run makes."""
+    from noloco.elastic.deadline import DeadlineStore, Namespace, Prefixed, Renewing
+    from noloco.elastic.membership import read
+
+    etcd = EtcdStore(parse_endpoints(cluster.address), 5.0)
+    check = etcd.check
+
+    def check_then_expire(keys: list[str]) -> bool:
+        got = check(keys)
+        for k in keys:
+            if k.endswith("hb/1"):
+                etcd.delete_key(k)
+        return got
+
+    etcd.check = check_then_expire  # type: ignore[method-assign]
+    for store in (DeadlineStore(etcd, 5.0, ns=Namespace("vanish")),
+                  Prefixed(etcd, "vanish2/"),
+                  Renewing(DeadlineStore(etcd, 5.0, ns=Namespace("vanish3")), 5.0)):
+        store.set("hb/0", "a")
+        store.set("hb/1", "b")
+        t0 = time.monotonic()
+        assert read(store, ["hb/0", "hb/1"]) == ["a", "b"]  # (a check then a get: 5 s, error)
+        assert read(store, ["hb/0", "hb/1", "hb/2"]) == ["a", "b", None]
+        assert time.monotonic() - t0 < 2.0
+    # a TCPStore has no such operation: the wrappers say so, and read() checks and gets
+    tcp = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5),
+                        wait_for_workers=False)
+    tcp.set("x", "1")
+    for store in (DeadlineStore(tcp, 5.0), Prefixed(tcp, ""), Renewing(DeadlineStore(tcp, 5.0),
+                                                                       5.0)):
+        assert getattr(store, "read_many", None) is None
+        assert read(store, ["x", "y"]) == ["1", None]
+
+
 @pytest.mark.timeout(400)
 def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, corpus):
     """A cluster of its own (a member is killed). The replicas meet only through etcd: no

@@ -86,7 +86,7 @@ class _Thread:
 
 _ONE_KEY = frozenset({"set", "get", "add", "compare_set", "delete_key", "append",
                       "set_leased"})
-_KEY_LIST = frozenset({"check", "multi_get", "multi_set", "wait"})
+_KEY_LIST = frozenset({"check", "multi_get", "multi_set", "wait", "read_many"})
 _ABSENT = "\x00absent"
 
 
@@ -119,6 +119,9 @@ class Renewing:
         self._base, self._conn, self.timeout = conn, conn, timeout
 
     def __getattr__(self, name: str) -> Any:
+        if not hasattr(self._base, name):  # an operation this kind of store lacks
+            raise AttributeError(name)
+
         def call(*args: Any) -> Any:
             if self._conn is None:
                 self._conn = connect(self._base, self.timeout)

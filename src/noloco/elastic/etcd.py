@@ -289,6 +289,13 @@ class EtcdStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         return all(kv is not None for kv in self._many(list(keys)))
 
+    def read_many(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, None where there is none, in one transaction. What
+        :func:`noloco.elastic.membership.read` asks of etcd: a lease may expire a heartbeat
+        at any moment, so a check followed by a get could wait the whole request deadline for
+        a key that vanished in between."""
+        return [None if kv is None else _unb64(kv.get("value")) for kv in self._many(list(keys))]
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.wait(list(keys))
         kvs = self._many(list(keys))

@@ -399,6 +399,9 @@ def read(store: Any, keys: list[str]) -> list[str | None]:
     common case), one more per key otherwise."""
     if not keys:
         return []
+    many = getattr(store, "read_many", None)
+    if many is not None:  # etcd: one transaction (EtcdStore.read_many says why)
+        return [None if v is None else v.decode() for v in many(keys)]
     if store.check(keys):
         return [v.decode() for v in store.multi_get(keys)]
     present = [k for k in keys if store.check([k])]
