@@ -206,3 +206,23 @@ def _tag(comm: ElasticCommunicator) -> str:
     """The store prefix of ``comm``'s first operation, an agreement of members 0 and 1."""
     from noloco.elastic.keys import op_tag
     return op_tag(0, comm.m.stage, 0, [0, 1])
+
+
+@pytest.mark.timeout(60)
+def test_a_member_marked_as_missed_learns_within_a_slice_that_its_operation_is_over(store):
+    """Member 1 comes to operation 0 after it went on without it (its mark says so: a cut-off
+    replica coming back behind the others). Nobody else will arrive: it learns that it is
+    late at the end of the first slice of its wait (2.5 s of a 20 s peer timeout), not at the
+    deadline, and marks nobody."""
+    from noloco.elastic.keys import missed_key
+
+    members = [Membership(store, r, 2, 20.0).start(thread=False) for r in range(2)]
+    comm = ElasticCommunicator(members[1], 20.0)
+    store.set(missed_key(1), "m:0")  # what member 0's decision without it wrote
+    t0 = time.monotonic()
+    assert comm.agree([0, 1]) == []  # late: the others went on
+    assert time.monotonic() - t0 < 10.0
+    assert comm.events[-1]["kind"] == "late"
+    assert probe(store, missed_key(0)) == b""
+    for m in members:
+        m.stop()

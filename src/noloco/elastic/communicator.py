@@ -360,9 +360,12 @@ class ElasticCommunicator(Communicator):
         self.store.append(arrivals, f"{self.rank},")
         if self.store.add(count, 1) >= len(group) and set(group) <= self._arrived(arrivals):
             final = self._decide(call, decided, list(group), group)
-        elif (got := await_value(self.store, decided, self.peer_timeout,
-                                 gone=lambda: self.rank not in self._arrived(arrivals))
-              ) is not None:
+        elif (got := await_value(
+                self.store, decided, self.peer_timeout,
+                # the operation is over for everyone else: collected (below), or it went on
+                # without this replica (its mark: the missed path below)
+                gone=lambda: (self.rank not in self._arrived(arrivals)
+                              or self._missed_since(call)))) is not None:
             final = json.loads(got)
         elif self.rank not in self._arrived(arrivals):
             # Collected: this replica's arrival is on record until the operation's owner
