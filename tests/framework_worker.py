@@ -4,7 +4,7 @@ Hugging Face Trainer.
 
     python framework_worker.py {lightning,hf} OUT --replica K --replicas N --steps S
         [--port P (elastic: the run's store) | --init tcp://H:P (static: a gloo group)]
-        [--die-at STEP] [--step-seconds T]
+        [--die-at STEP] [--step-seconds T] [--mark FILE] [--hold STEP:FILE]
 
 Writes OUT (JSON) at the end: the run's step, outer steps, joins and the final weights."""
 
@@ -48,15 +48,29 @@ def settings(a: argparse.Namespace) -> dict:
 
 
 class Dier:
-    """Kills this process (SIGKILL) once the run reaches a step; paces the steps."""
+    """Kills this process (SIGKILL) once the run reaches a step; paces the steps; holds at a
+    step (once) until a file exists, at most 120 s."""
 
-    def __init__(self, at: int, pace: float) -> None:
+    def __init__(self, at: int, pace: float, hold: str | None = None) -> None:
         self.at, self.pace = at, pace
+        self.hold_at, self.hold_for = (int(hold.split(":")[0]), hold.split(":", 1)[1]) \
+            if hold else (0, "")
 
     def check(self, step: int) -> None:
         if self.at and step >= self.at:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(self.pace)
+        if self.hold_at and step >= self.hold_at:
+            self.hold_at = 0
+            deadline = time.monotonic() + 120
+            while not os.path.exists(self.hold_for) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+
+def mark(a: argparse.Namespace) -> None:
+    """The framework is imported and its loop about to start (and join the run)."""
+    if a.mark:
+        open(a.mark, "w").close()
 
 
 def with_lightning(a: argparse.Namespace, model: Net, dier: Dier) -> object:
@@ -87,6 +101,7 @@ def with_lightning(a: argparse.Namespace, model: Net, dier: Dier) -> object:
                          default_root_dir=tempfile.mkdtemp())
     loader = torch.utils.data.DataLoader(dataset(a.replica), batch_size=16, shuffle=True,
                                          generator=torch.Generator().manual_seed(a.replica))
+    mark(a)
     trainer.fit(Module(), loader)
     return cb.run
 
@@ -123,8 +138,10 @@ def with_hf(a: argparse.Namespace, model: nn.Module, dier: Dier) -> object:
                              report_to=[], save_strategy="no", logging_strategy="no",
                              use_cpu=True, disable_tqdm=True, seed=a.replica,
                              dataloader_num_workers=0, lr_scheduler_type="constant")
-    Trainer(model=model, args=args, train_dataset=hf_dataset(a.replica),
-            callbacks=[cb, Die()]).train()
+    trainer = Trainer(model=model, args=args, train_dataset=hf_dataset(a.replica),
+                      callbacks=[cb, Die()])
+    mark(a)
+    trainer.train()
     return cb.run
 
 
@@ -139,6 +156,9 @@ def main() -> int:
     p.add_argument("--init")
     p.add_argument("--die-at", type=int, default=0)
     p.add_argument("--step-seconds", type=float, default=0.0)
+    p.add_argument("--mark", help="FILE: touched once the framework is imported, before its "
+                   "loop starts (and joins the run)")
+    p.add_argument("--hold", help="STEP:FILE: at STEP, wait until FILE exists (at most 120 s)")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.init:
@@ -149,7 +169,7 @@ def main() -> int:
     torch.manual_seed(0)  # the same initial weights on every replica
     model = Net() if a.framework == "lightning" else hf_model()
     train = with_lightning if a.framework == "lightning" else with_hf
-    run = train(a, model, Dier(a.die_at, a.step_seconds))
+    run = train(a, model, Dier(a.die_at, a.step_seconds, a.hold))
     with open(a.out, "w") as f:
         json.dump({"replica": a.replica, "step": run.step, "outer_steps": run.outer_steps,
                    "joins": run.joins,

@@ -81,13 +81,17 @@ def test_an_elastic_framework_replica_killed_and_started_again_rejoins(tmp_path,
     """Three elastic replicas, each a framework's loop; replica 1 is killed (SIGKILL) at
     step 12 of 50 and started again: it takes a donor's state, the framework trains on
     from the run's step, and all three finish at step 50 on the same weights."""
-    # (paced: the others must still train when the restarted one has imported its framework)
+    # The others must still train when the restarted one has imported its framework: paced,
+    # and held at step 30 until it has (under CI's load its import outlasted the others' 38
+    # paced steps once, and it found nobody left to join).
     pace = ["--port", str(host.port), "--step-seconds", "0.3"]
-    others = [worker(framework, tmp_path / f"{r}.json", r, 3, 50, *pace) for r in (0, 2)]
+    started = tmp_path / "restarted"
+    others = [worker(framework, tmp_path / f"{r}.json", r, 3, 50, *pace,
+                     "--hold", f"30:{started}") for r in (0, 2)]
     first = worker(framework, tmp_path / "1.json", 1, 3, 50, "--die-at", "12", *pace)
     first.communicate(timeout=200)
     assert first.returncode == -9
-    again = worker(framework, tmp_path / "1.json", 1, 3, 50, *pace)
+    again = worker(framework, tmp_path / "1.json", 1, 3, 50, *pace, "--mark", str(started))
     finish([*others, again])
     res = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert all(x["step"] == 50 for x in res), [x["step"] for x in res]
