@@ -452,16 +452,7 @@ def wait_for_files(files: list[Path], procs: list[subprocess.Popen], timeout: fl
         time.sleep(0.05)
 
 
-def coordinator(port: int) -> subprocess.Popen:
-    """`noloco coordinator` on ``port`` (the test session's secret: conftest's NOLOCO_SECRET)."""
-    p = subprocess.Popen([sys.executable, "-m", "noloco", "coordinator", "--host", "127.0.0.1",
-                          "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=ENV)
-    assert p.stdout is not None and "listening on" in p.stdout.readline()
-    return p
-
-
-@pytest.mark.slow("three replica processes; their coordinator killed and started again")
+@pytest.mark.slow("four replica processes; their coordinator killed and started again")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method", ["diloco", "noloco"])
 def test_a_coordinator_restarted_empty_the_loop_goes_on_in_a_new_epoch(tmp_path, method):
@@ -471,12 +462,11 @@ def test_a_coordinator_restarted_empty_the_loop_goes_on_in_a_new_epoch(tmp_path,
     waits for the link), moves to epoch 1 and meets the others there again: bytes sent after
     the outage, and DiLoCo ends on the same weights everywhere."""
     import signal
-    import socket
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from test_coordinator import coordinator, free_port
+
+    port = free_port()
     coord = coordinator(port)
     at = [tmp_path / f"at-{r}" for r in range(4)]
     procs = [worker(port, r, 4, 160, tmp_path / f"out{r}.json", "--method", method,

@@ -152,7 +152,9 @@ class Stalled:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("after_wake", [True, False], ids=["after_the_wake", "before_waiting"])
+@pytest.mark.parametrize("after_wake", [
+    True, pytest.param(False, marks=pytest.mark.slow("waits out a 2.5 s slice of its wait"))],
+    ids=["after_the_wake", "before_waiting"])
 def test_a_member_stalled_until_its_agreement_was_collected_is_late_and_marks_nobody(
         store, after_wake):
     """Member 1 arrives; member 0 completes the agreement, decides, and goes KEEP_OPS
@@ -208,6 +210,7 @@ def _tag(comm: ElasticCommunicator) -> str:
     return op_tag(0, comm.m.stage, 0, [0, 1])
 
 
+@pytest.mark.slow("waits out a 2.5 s slice of its wait")
 @pytest.mark.timeout(60)
 def test_a_member_marked_as_missed_learns_within_a_slice_that_its_operation_is_over(store):
     """Member 1 comes to operation 0 after it went on without it (its mark says so: a cut-off
