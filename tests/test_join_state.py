@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import random
+import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 from noloco.comm import NullCommunicator
 from noloco.config import Config, MethodConfig
 from noloco.elastic.join import Joiner, join_streams
+from noloco.elastic.keys import join_key
 from noloco.methods import build_method
 
 
@@ -92,3 +95,72 @@ def test_a_replica_counts_the_join_requests_it_serves_from_when_its_trainer_is_b
     counter["n"] = 5  # three more requests while the model and data load
     joiner.attach(SimpleNamespace())
     assert joiner.served == joiner.next_serve == 5
+
+
+class StallsAfterCounting:
+    """A joiner's store that stalls between counting itself in and naming itself."""
+
+    def __init__(self, store, seconds: float) -> None:
+        self.store, self.seconds = store, seconds
+
+    def add(self, key, n):
+        got = self.store.add(key, n)
+        time.sleep(self.seconds)
+        return got
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def store_side(store, replica: int, peer_timeout: float) -> Joiner:
+    """The join component of a replica as far as asking for, and answering, a request goes:
+    no transfer is reached."""
+    trainer = SimpleNamespace(
+        lay=SimpleNamespace(replica=replica, rank=replica),
+        cfg=SimpleNamespace(method=SimpleNamespace(peer_timeout=peer_timeout, comm_timeout=5)),
+        comm=SimpleNamespace(sealer=None, context=lambda what: what),
+        state=SimpleNamespace(step=8))
+    joiner = Joiner(SimpleNamespace(replica=replica, ns=None, store=store, join_requests=0))
+    joiner.trainer = trainer
+    return joiner
+
+
+@pytest.mark.timeout(30)
+def test_a_joiner_that_names_itself_after_its_donor_gave_up_learns_it_at_once(store, capfd):
+    """The donor waits --peer-timeout for a counted joiner to name itself, then writes "no":
+    the joiner, stalled longer, reads it as soon as it names itself and asks again, instead
+    of waiting 3 x --peer-timeout for a "go" that never comes."""
+    donor = store_side(store, 0, peer_timeout=1.0)
+    joiner = store_side(StallsAfterCounting(store, 1.5), 1, peer_timeout=1.0)
+    failed: list = []
+
+    def ask() -> None:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as e:
+            joiner._take_from(0)
+        failed.append((str(e.value), time.monotonic() - t0))
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    while store.add(join_key(0), 0) < 1:  # counted in (then it stalls)
+        time.sleep(0.01)
+    donor.membership.join_requests = 1
+    donor._serve_requests()  # waits 1 s for the name, gives up
+    asking.join()
+    assert donor.joins == [] and "never completed" in capfd.readouterr().err
+    (why, seconds), = failed
+    assert why == "the donor gave up waiting for this request"
+    assert seconds < 2.5  # 1.5 s of stall; without the "no", 1.5 + 3 s
+
+
+@pytest.mark.timeout(30)
+def test_a_donor_that_answers_after_its_joiner_gave_up_sends_nothing(store, capfd):
+    donor = store_side(store, 0, peer_timeout=0.3)
+    joiner = store_side(store, 1, peer_timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the donor did not answer"):
+        joiner._take_from(0)  # nobody serves: 3 x 0.3 s
+    assert 0.8 < time.monotonic() - t0 < 5
+    donor.membership.join_requests = 1
+    donor._serve_requests()  # the request is there, but its "no" stands: no transfer begins
+    assert donor.joins == [] and "the joiner gave up waiting" in capfd.readouterr().err

@@ -310,16 +310,23 @@ class Joiner:
             except store_errors():  # out of reach: the joiner asks another donor
                 m.broken = True
             return
-        store = self.membership.store
+        self._serve_requests()
+
+    def _serve_requests(self) -> None:
+        """Donor side, one stage: send the live state to every joiner that asked since."""
+        m, store = self.membership, self.membership.store
         counter = join_key(self.trainer.lay.replica)
         while self.served < self.membership.join_requests:
             self.served += 1
             tag = f"{counter}/{self.served}"
             t0 = time.perf_counter()
             try:
-                # The joiner counts itself in, then names itself: it may die in between.
+                # The joiner counts itself in, then names itself: it may die in between, or
+                # stall. One that names itself after this gave up learns it from "no" at once
+                # (else it would wait out its 3 x --peer-timeout for a "go").
                 req = self._request(tag)
                 if req is None:
+                    store.compare_set(f"{tag}/go", "", "no")
                     raise RuntimeError("the request was never completed")
                 # The joiner waits for "go", then the transfer; one that gave up first
                 # wrote "no" (compare-and-set: exactly one of the two stands).
@@ -513,20 +520,9 @@ class Joiner:
                 tries -= 1
             fresh = [d for d in donors if d not in failed]
             donor = fresh[0] if fresh else min(donors, key=failed.index)  # else the longest ago
-            n = store.add(join_key(donor), 1)
-            tag = f"{join_key(donor)}/{n}"
-            store.set(tag, self._ask(tag))
             t0 = time.perf_counter()
             try:
-                # A donor answers between two steps; one that does not within the arrival
-                # deadline (dead, stuck, finished) is not waited for the transfer's.
-                try:
-                    store.wait([f"{tag}/go"],
-                               timedelta(seconds=3 * self.trainer.cfg.method.peer_timeout))
-                except dist.DistStoreError:
-                    if store.compare_set(f"{tag}/go", "", "no") == b"no":
-                        raise RuntimeError("the donor did not answer") from None
-                state, nbytes = self._receive_state(tag, donor)
+                state, nbytes = self._take_from(donor)
             except RuntimeError as e:  # the donor died, is stuck or finished: ask another
                 if isinstance(e, BadState):  # or sent what this model cannot take
                     self.joins.append({"kind": "refused", "replica": self.trainer.lay.replica,
@@ -555,6 +551,23 @@ class Joiner:
         if kind == "joined":
             self._give_up(live)
         return False
+
+    def _take_from(self, donor: int) -> tuple[dict[str, Any], int]:
+        """Ask ``donor`` for its live state and receive it; RuntimeError if it does not send."""
+        store = self.membership.store
+        n = store.add(join_key(donor), 1)
+        tag = f"{join_key(donor)}/{n}"
+        store.set(tag, self._ask(tag))
+        # A donor answers between two steps; one that does not within the arrival deadline
+        # (dead, stuck, finished) is not waited for the transfer's. Exactly one of its "go"
+        # and a "no" stands (compare-and-set): this joiner's when it gives up, the donor's
+        # when this request came too late for it.
+        go = await_value(store, f"{tag}/go", 3 * self.trainer.cfg.method.peer_timeout)
+        if go == b"no":
+            raise RuntimeError("the donor gave up waiting for this request")
+        if go is None and store.compare_set(f"{tag}/go", "", "no") == b"no":
+            raise RuntimeError("the donor did not answer")
+        return self._receive_state(tag, donor)
 
     def _give_up(self, live: dict[int, Any]) -> None:
         """A join that found no donor. Nobody else alive: NoDonor (the replica goes on from
