@@ -3,7 +3,8 @@
     python library_worker.py PORT REPLICA REPLICAS STEPS OUT [--die-at K] [--hidden H]
         [--seed S] [--method M] [--sync-every H] [--secret-file F] [--step-seconds T]
         [--checkpoint-dir D] [--coordinator etcd://...] [--barrier DIR] [--mark FILE]
-        [--hold STEP:FILE] [--at STEP:FILE]
+        [--hold STEP:FILE] [--at STEP:FILE] [--stop-at K] [--resume] [--run-id ID]
+        [--peer-timeout T]
 
 Writes OUT (JSON) at the end: its step, outer steps, joins and final weights."""
 
@@ -37,6 +38,11 @@ def main() -> int:
         p.add_argument(name, type=int)
     p.add_argument("out")
     p.add_argument("--die-at", type=int, default=0)
+    p.add_argument("--stop-at", type=int, default=0, help="leave the run at step K (the loop "
+                   "was stopped: its checkpoint there, then a resume continues it)")
+    p.add_argument("--resume", action="store_true", help="join_run(resume=True)")
+    p.add_argument("--run-id", default="lib")
+    p.add_argument("--peer-timeout", type=float, default=6.0)
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--method", default="diloco")
@@ -60,9 +66,9 @@ def main() -> int:
         Path(a.mark).touch()
     try:
         run = join_run(model, opt, coordinator=a.coordinator or f"127.0.0.1:{a.port}",
-                       run_id="lib",
+                       run_id=a.run_id, resume=a.resume,
                        replica=a.replica, replicas=a.replicas, method=a.method,
-                       sync_every=a.sync_every, peer_timeout=6.0, comm_timeout=30.0,
+                       sync_every=a.sync_every, peer_timeout=a.peer_timeout, comm_timeout=30.0,
                        secret_file=a.secret_file, checkpoint_dir=a.checkpoint_dir)
     except RunError as e:
         print(f"refused: {e}", file=sys.stderr, flush=True)
@@ -76,7 +82,7 @@ def main() -> int:
             time.sleep(0.05)
     sent = {}  # step → bytes sent so far
     with run:
-        while run.step < a.steps:
+        while run.step < (a.stop_at or a.steps):
             x, y = batch(a.replica, run.step)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -101,6 +107,7 @@ def main() -> int:
         json.dump({"replica": a.replica, "step": run.step, "first_step": first,
                    "bytes_sent": run.bytes_sent, "staged": isinstance(run.comm, HostStaged),
                    "outer_steps": run.outer_steps, "joins": run.joins,
+                   "resumed_from": run.resumed_from, "epoch": run.ns.epoch,
                    # the elastic machinery's own records (not the handle's API)
                    "outages": run.membership.outages, "events": run.comm.events,
                    "bytes_by_step": sent,

@@ -138,6 +138,7 @@ def test_a_replica_that_does_not_fit_the_run_is_refused_in_one_line(tmp_path, ho
     ({"sync_evry": 5}, "unknown method setting(s) sync_evry"),
     ({"replica": 4}, "replica 4 outside 0..3"),
     ({"compress": "topk:2"}, "compress"),
+    ({"resume": True}, "pass the checkpoint_dir they were written to"),
 ])
 def test_bad_settings_are_refused_before_anything_connects(kwargs, why):
     model = nn.Linear(2, 1)
@@ -303,6 +304,40 @@ def test_a_replica_with_nobody_left_to_join_goes_on_from_its_own_checkpoint(tmp_
     bare = worker(host.port, 0, 2, 30, tmp_path / "out0b.json")
     (code, err), = finish([bare])
     assert code == 2 and "has no checkpoint of its own (no checkpoint_dir)" in err, err
+
+
+@pytest.mark.slow("three replica processes twice, stopped and resumed, and a reference run")
+@pytest.mark.timeout(300)
+def test_a_run_stopped_as_a_whole_resumes_each_replica_from_its_own_checkpoint(tmp_path,
+                                                                             host):
+    """Three replicas leave the run at step 20 of 40 (their loops stopped: a checkpoint
+    each, and where the run stood in the store). Started again with resume=True, they
+    continue in a new epoch of the run, each from its own checkpoint, and end bit for bit
+    where the same run without the stop ends (DiLoCo: the weights, moments and outer
+    momentum all came back). resume=True on a first start, with nothing saved, is a plain
+    start."""
+    args = ["--step-seconds", "0.02", "--peer-timeout", "20"]  # (nobody left out under load)
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+
+    def run(name: str, *extra: str) -> list[dict]:
+        (tmp_path / name).mkdir()
+        procs = [worker(host.port, r, 3, 40, tmp_path / name / f"out{r}.json", *args,
+                        "--barrier", str(tmp_path / name), *extra) for r in range(3)]
+        for code, err in finish(procs):
+            assert code == 0, err[-3000:]
+            no_cpp_dump(err)
+        return [json.loads((tmp_path / name / f"out{r}.json").read_text()) for r in range(3)]
+
+    ref = run("ref", "--run-id", "ref")
+    first = run("first", *ckpt, "--resume", "--stop-at", "20")
+    assert [(x["step"], x["resumed_from"], x["epoch"]) for x in first] == [(20, None, 0)] * 3
+    assert all((tmp_path / "ckpt" / f"replica-{r}" / "store.json").is_file() for r in range(3))
+    again = run("again", *ckpt, "--resume")
+    assert [(x["first_step"], x["step"], x["resumed_from"], x["epoch"]) for x in again] \
+        == [(20, 40, 20, 1)] * 3
+    assert all([(j["kind"], j["why"]) for j in x["joins"]] == [("own checkpoint", "resumed")]
+               for x in again), [x["joins"] for x in again]
+    assert all(x["weights"] == ref[0]["weights"] for x in again + ref)
 
 
 @pytest.mark.slow("two replica processes per method")

@@ -71,6 +71,7 @@ from noloco.elastic.deadline import (
     Namespace,
     open_store_patiently,
     request_deadline,
+    stopped_record,
     wait_reachable,
 )
 from noloco.elastic.join import Joiner, NoDonor
@@ -79,6 +80,7 @@ from noloco.elastic.membership import Membership, live_replicas
 from noloco.integrity import Sealer, payload_key
 from noloco.methods import build_method
 from noloco.methods.engine import split_model
+from noloco.rundir import write_json_atomic
 from noloco.spec import forced_host_staging
 from noloco.staging import HostStaged
 from noloco.train import LoopState, weights_checksum
@@ -101,17 +103,24 @@ def join_run(model: nn.Module, optimizer: torch.optim.Optimizer, *, coordinator:
              run_id: str, replica: int, replicas: int, method: str = "diloco",
              secret_file: str | None = None, seed: int = 0, peer_timeout: float = 10.0,
              comm_timeout: float = 120.0, checkpoint_dir: str | Path | None = None,
-             checkpoint_every: int | None = None, **settings: Any) -> ElasticLoop:
+             checkpoint_every: int | None = None, resume: bool = False,
+             **settings: Any) -> ElasticLoop:
     """Replica ``replica`` of ``replicas`` joins run ``run_id`` at ``coordinator``
     (``HOST:PORT`` of a ``noloco coordinator``, or ``etcd://H:P,...``), with ``method`` and
     its ``settings`` (the :class:`noloco.config.MethodConfig` fields, as the CLI's flags:
     ``sync_every``, ``outer_lr``, ``outer_momentum``, ``compress``, ``fragments``, ...).
     ``checkpoint_dir``: this replica's own checkpoints go under it (``replica-K/``), every
     ``checkpoint_every`` steps (default: every outer step) and when it leaves; a replica
-    started again that finds no live replica to join goes on from its newest. See the module
-    docstring; :class:`RunError` on bad input."""
+    started again that finds no live replica to join goes on from its newest. ``resume``: a
+    run stopped as a whole (every replica left, or was killed) continues, each replica from
+    its own newest checkpoint in ``checkpoint_dir`` (a new epoch of the run in the store:
+    docs/library.md); a replica with none starts as without it. See the module docstring;
+    :class:`RunError` on bad input."""
     if checkpoint_every is not None and checkpoint_every < 1:
         raise RunError(f"join_run: checkpoint_every must be at least 1, not {checkpoint_every}")
+    if resume and checkpoint_dir is None:
+        raise RunError("join_run: resume=True continues from this replica's own checkpoints: "
+                       "pass the checkpoint_dir they were written to")
     _check_inputs("join_run", model, optimizer, method, settings, LIBRARY_METHODS,
                   "is not served by an elastic run")
     if not 0 <= replica < replicas:
@@ -122,7 +131,7 @@ def join_run(model: nn.Module, optimizer: torch.optim.Optimizer, *, coordinator:
                              seed=seed))
     return ElasticLoop(model, optimizer, cfg, replica,
                        None if checkpoint_dir is None else Path(checkpoint_dir),
-                       checkpoint_every or cfg.method.sync_every or 1)
+                       checkpoint_every or cfg.method.sync_every or 1, resume)
 
 
 def static_run(model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -391,7 +400,7 @@ class ElasticLoop(_Handle):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config,
                  replica: int, checkpoint_dir: Path | None = None,
-                 checkpoint_every: int = 1) -> None:
+                 checkpoint_every: int = 1, resume: bool = False) -> None:
         m, t = cfg.method, cfg.train
         self.cfg, self.model, self.inner = cfg, model, optimizer
         self.lay = Layout(rank=replica, world=m.replicas, local_world=1, replica=replica,
@@ -421,16 +430,20 @@ class ElasticLoop(_Handle):
             if not address.startswith(ETCD_SCHEME):
                 auth.use_secret(auth.load_secret(t.secret_file))
                 wait_reachable(*parse_address(address), m.comm_timeout)
-            store = open_store_patiently(address, request_deadline(m.peer_timeout),
-                                         Namespace(cfg.run_id()), m.comm_timeout,
-                                         m.peer_timeout)
+            self.ns = Namespace(cfg.run_id())
+            store = open_store_patiently(address, request_deadline(m.peer_timeout), self.ns,
+                                         m.comm_timeout, m.peer_timeout)
         except ConfigError as e:
             raise RunError(f"join_run: {str(e).splitlines()[0]}") from None
         except (OSError, RuntimeError) as e:
             raise RunError(f"join_run: cannot reach the run's store at {address}: "
                            f"{str(e).splitlines()[0][:200]}") from None
         try:
-            self._enter(store, replica)
+            if resume:
+                others = set(live_replicas(store, m.replicas, 1)) - {replica}
+                self.ns.continue_stopped(store, self._stopped_at(), bool(others),
+                                         unknown_opens=False)
+            self._enter(store, replica, resume)
         except RunError:
             raise
         except (OSError, RuntimeError) as e:
@@ -438,10 +451,11 @@ class ElasticLoop(_Handle):
                            f"({str(e).splitlines()[0][:200]})") from None
         self._wrap(optimizer)
 
-    def _enter(self, store: Any, replica: int) -> None:
+    def _enter(self, store: Any, replica: int, resume: bool = False) -> None:
         """The checks, then this replica counted in, registered and (a joiner) given a live
-        state."""
+        state; resuming (its first start in this epoch), its own newest checkpoint's."""
         m, t = self.cfg.method, self.cfg.train
+        own = resume and bool(ckpt_mod.steps_on_disk(self.ckpt.root))
         # What every replica must share, checked before this one counts itself in.
         arch = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.runner.named_parameters()]
         self._agree(store, "architecture", _digest(arch),
@@ -450,14 +464,15 @@ class ElasticLoop(_Handle):
         self._agree(store, "settings", _digest(_settings(self.cfg)),
                     "the method settings differ from the run's: every replica must pass the "
                     "same method and settings")
-        if store.add(starts_key(replica, 0), 0) == 0:
+        if store.add(starts_key(replica, 0), 0) == 0 and not own:
             # Its first start (also when it is about to take a donor's state: an unseeded
             # initialisation is said at once, by whichever replica starts second). A process
-            # started again may hold weights of its own loading: it takes a donor's anyway.
+            # started again may hold weights of its own loading: it takes a donor's anyway;
+            # one resuming takes its checkpoint's.
             self._agree(store, "start", str(weights_checksum(self.params)),
                         "its initial weights differ from those the run started from: seed "
                         "the model's initialisation alike on every replica")
-        if self.ckpt.enabled and store.add(starts_key(replica, 0), 0) == 0 \
+        if self.ckpt.enabled and not resume and store.add(starts_key(replica, 0), 0) == 0 \
                 and ckpt_mod.steps_on_disk(self.ckpt.root):
             # Its first start in this run: checkpoints there are another run's (or this
             # run's before its coordinator restarted empty), and would pass for its own.
@@ -466,8 +481,12 @@ class ElasticLoop(_Handle):
         incarnation = store.add(starts_key(replica, 0), 1) - 1
         # A replica started again, or for the first time while the others have trained,
         # takes a live state before its first step (out of snapshots meanwhile).
-        joins = incarnation > 0 or any(int(b.get("step", 0)) > 0 for r, b in live_replicas(
-            store, m.replicas, 1).items() if r != replica)
+        # Resuming, its first start in this epoch goes on from its own checkpoint (the
+        # others, resuming too, may have stepped already).
+        resumes = own and incarnation == 0
+        joins = incarnation > 0 or not resumes and any(
+            int(b.get("step", 0)) > 0 for r, b in live_replicas(store, m.replicas, 1).items()
+            if r != replica)
         self.membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation,
                                      0, 1)
         self.membership.joining = joins
@@ -487,12 +506,15 @@ class ElasticLoop(_Handle):
                 raise RunError(f"join_run: {str(e).splitlines()[0]}") from None
             self.joiner = _LoopJoiner(self.membership)
             self.joiner.attach(self)  # type: ignore[arg-type]
+            if resumes and not self._resume("resumed"):
+                # (its checkpoints vanished since: it takes the others' state)
+                joins = self.membership.joining = True
             if joins:
                 try:
                     self.joiner.join()
                 except NoDonor as e:
                     # Nobody left to take a state from: its own newest checkpoint, if any.
-                    if not self._resume():
+                    if not self._resume("no live replica to join"):
                         where = "" if self.ckpt.enabled else " (no checkpoint_dir)"
                         raise RunError(f"join_run: replica {replica}: "
                                        f"{str(e).splitlines()[0]}, and it has no checkpoint "
@@ -532,6 +554,8 @@ class ElasticLoop(_Handle):
         try:
             if ok and self.ckpt.enabled and self.ckpt.saved_step != self.state.step:
                 self.ckpt.save(self.state.step, self.capture())  # where it left
+            if self.ckpt.enabled:
+                self._record_store()
             self.ckpt.close(wait=True)
         finally:
             self.membership.finish(stopped=not ok)
@@ -551,8 +575,9 @@ class ElasticLoop(_Handle):
         }
 
     @torch.no_grad()
-    def _resume(self) -> bool:
-        """Go on from its own newest checkpoint: False when there is none."""
+    def _resume(self, why: str) -> bool:
+        """Go on from its own newest checkpoint: False when there is none. ``why``: "resumed"
+        (``resume=True``), or "no live replica to join" (a restarted process)."""
         if not self.ckpt.enabled:
             return False
         step, sd = ckpt_mod.agree_on_step(self.ckpt.root, 0, self.cfg.math_hash(),
@@ -572,15 +597,38 @@ class ElasticLoop(_Handle):
         self.state.step = self.status.step = self.membership.step = int(step)
         self.resumed_from = self.ckpt.saved_step = int(step)
         self.joiner.joins.append({"kind": "own checkpoint", "replica": self.lay.replica,
-                                  "stage": 0, "step": int(step),
-                                  "why": "no live replica to join", "t": time.time()})
-        print(f"noloco: replica {self.lay.replica} found no live replica to join; it goes on "
-              f"from its own checkpoint at step {step}", file=sys.stderr, flush=True)
+                                  "stage": 0, "step": int(step), "why": why,
+                                  "epoch": self.ns.epoch, "t": time.time()})
+        said = ("resumes the run" if why == "resumed"
+                else "found no live replica to join; it goes on")
+        print(f"noloco: replica {self.lay.replica} {said} from its own checkpoint at step "
+              f"{step}", file=sys.stderr, flush=True)
         return True
+
+    # Where the run stood in its store at this replica's newest checkpoint: what a resume
+    # compares (Namespace.continue_stopped). Beside the checkpoints, written with each.
+    STOPPED_FILE = "store.json"
+
+    def _stopped_at(self) -> dict[str, Any] | None:
+        try:
+            got = json.loads((self.ckpt.root / self.STOPPED_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        return stopped_record(got)
+
+    def _record_store(self) -> None:
+        """Written after each save is begun (a record a little newer than the checkpoint
+        is what a resume needs: the epoch it would meet stale records in)."""
+        if self.ns.boot is None:
+            return
+        self.ckpt.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.ckpt.root / self.STOPPED_FILE,
+                          {"boot": self.ns.boot.decode(), "epoch": self.ns.epoch})
 
     def _after_step(self, step: int) -> None:
         if self.ckpt.due(step):
             self.ckpt.save(step, self.capture())
+            self._record_store()
         self.ckpt.poll()
 
     # ---- what the join protocol reads of a trainer -------------------------------------------

@@ -200,6 +200,40 @@ class Namespace:
             self.epoch = int(now.partition(":")[0])
 
 
+    def continue_stopped(self, conn: DeadlineStore, stopped: dict[str, Any] | None,
+                         trains_on: bool, unknown_opens: bool = True) -> str:
+        """Where a stopped run continues (``noloco train --resume`` at a coordinator,
+        ``join_run(resume=True)``). ``stopped``: where the run stood in the store when this
+        process's part of it stopped (``{"boot", "epoch"}``, or None where unknown);
+        ``trains_on``: other replicas train now. Where they do, this process's replicas join
+        them (new starts in the run's epoch, as after a crash). Where nobody trains, the run
+        continues in a new epoch, whose keys no operation of the stopped run wrote: each
+        replica continues from its own checkpoint and meets no record of the stopped run.
+        The first process to continue opens it; one continuing later finds the run above the
+        epoch it stopped in, and follows. A store that restarted empty since the stop
+        (another boot token) holds nothing of the stopped run: nothing to move. What was
+        decided: "new store", "followed", "trains on", "unknown" or "opened"."""
+        if stopped is not None and self.boot is not None and stopped["boot"] != self.boot.decode():
+            return "new store"
+        if stopped is not None and stopped["epoch"] is not None and self.epoch > stopped["epoch"]:
+            return "followed"  # another process continued the run first
+        if trains_on:
+            return "trains on"
+        if stopped is None and not unknown_opens:
+            return "unknown"
+        self.open_next(conn)
+        return "opened"
+
+
+def stopped_record(got: Any) -> dict[str, Any] | None:
+    """A record of where a run stood in its store (``{"boot": str, "epoch": int | None}``),
+    checked: None for anything else (a missing, older or damaged record)."""
+    if not (isinstance(got, dict) and isinstance(got.get("boot"), str)
+            and isinstance(got.get("epoch"), int | None)):
+        return None
+    return got
+
+
 def run_epoch(address: str, run_id: str, timeout: float) -> dict[str, Any] | None:
     """Where the run ``run_id`` stands in the store at ``address`` now, read on a connection of
     its own: the store's boot token (a store that restarted empty has another) and the run's

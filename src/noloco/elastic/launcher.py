@@ -33,6 +33,7 @@ from noloco.elastic.deadline import (
     open_store_patiently,
     request_deadline,
     run_epoch,
+    stopped_record,
     store_errors,
     wait_reachable,
 )
@@ -126,28 +127,14 @@ class ElasticRun:
         return None
 
     def _resume_epoch(self, conn: Any) -> None:
-        """``--resume`` at a coordinator. Where the run trains on at another machine, this
-        machine's replicas join it (their new starts in the run's epoch, as after a crash).
-        Where nobody trains, the run continues in a new epoch of the store, whose keys no
-        operation of the stopped run wrote: each replica continues from its own checkpoint
-        and redoes no operation against the stopped run's records. The first machine to
-        resume opens it; one resuming later finds the run above the epoch it stopped in, and
-        follows. A store that restarted empty since the stop (another boot token) holds no
-        key of the stopped run: every machine follows the epoch it finds."""
-        stopped = self._stopped_at()
-        ns = self.ns
-        if stopped is not None and ns.boot is not None and stopped["boot"] != ns.boot.decode():
-            return  # a new store: nothing of the stopped run in it
-        if stopped is not None and stopped["epoch"] is not None \
-                and ns.epoch > stopped["epoch"]:
-            return  # another machine resumed the run first
+        """``--resume`` at a coordinator: the run continues in a new epoch of its store where
+        nobody trains, else this machine's replicas join it
+        (:meth:`~noloco.elastic.deadline.Namespace.continue_stopped`)."""
         others = {r for r in live_replicas(conn, self.replicas, self.stages)
                   if r not in self.local}  # this machine's replicas are not running now
-        if others:
+        if self.ns.continue_stopped(conn, self._stopped_at(), bool(others)) == "trains on":
             print(f"noloco: the run trains on at replicas {sorted(others)}: the replicas here "
                   f"join them", file=sys.stderr, flush=True)
-            return
-        ns.open_next(conn)
 
     def _stopped_at(self) -> dict[str, Any] | None:
         """Where the run stood in its store when this machine's part of it last ended
@@ -157,10 +144,7 @@ class ElasticRun:
             got = (RunDir(self.out).read_summary().get("elastic") or {}).get("store")
         except (OSError, ValueError):
             return None
-        if not (isinstance(got, dict) and isinstance(got.get("boot"), str)
-                and isinstance(got.get("epoch"), int | None)):
-            return None
-        return got
+        return stopped_record(got)
 
     def _store_now(self) -> dict[str, Any] | None:
         """Where the run stands in its coordinator's store now (read afresh: this launcher's
