@@ -4,6 +4,7 @@ replica's random streams are its own (not its first life's from step 0)."""
 from __future__ import annotations
 
 import io
+import json
 import random
 import threading
 import time
@@ -13,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from noloco.comm import NullCommunicator
+from noloco.comm import CommError, NullCommunicator
 from noloco.config import Config, MethodConfig
 from noloco.elastic.join import Joiner, join_streams
-from noloco.elastic.keys import join_key
+from noloco.elastic.keys import PREFIX, join_key, join_seen_key
 from noloco.methods import build_method
 
 
@@ -164,3 +165,51 @@ def test_a_donor_that_answers_after_its_joiner_gave_up_sends_nothing(store, capf
     donor.membership.join_requests = 1
     donor._serve_requests()  # the request is there, but its "no" stands: no transfer begins
     assert donor.joins == [] and "the joiner gave up waiting" in capfd.readouterr().err
+
+
+def stage_side(store, stage: int, stages: int, peer_timeout: float) -> Joiner:
+    """One stage of replica 0, as far as serving (or asking for) a staged join goes: the
+    transfer itself is recorded, not made."""
+    joiner = store_side(store, 0, peer_timeout)
+    joiner.trainer.lay = SimpleNamespace(replica=0, rank=stage, stage=stage, stages=stages)
+    joiner.membership.incarnation = 1
+    joiner.sent = []
+    joiner._send_state = lambda tag: joiner.sent.append(tag) or 1
+    joiner.checksum = lambda: 0
+    return joiner
+
+
+@pytest.mark.timeout(30)
+def test_a_staged_donor_serves_the_next_joiner_after_one_that_never_named_itself(store,
+                                                                                capfd):
+    """Request 1 was counted and never completed (its joiner died); request 2 is whole. The
+    donor's stage 0 answers both — request 1 with no step — so its stages, which take the
+    answers in order, go past 1 and serve 2 (before, they waited at 1 for ever: no donor
+    with pipeline stages served anyone again)."""
+    stages = [stage_side(store, s, 2, peer_timeout=0.3) for s in range(2)]
+    store.add(join_key(0), 2)
+    store.set(f"{join_key(0)}/2", json.dumps({"replica": 1}))
+    store.set(join_seen_key(0, 1), "2")  # (stage 1 has seen both: its heartbeat says so)
+    for s in stages:
+        s.membership.join_requests = 2
+    stages[0]._serve_staged()  # at step 8: request 1 waits 0.3 s for a name, 2 is at step 9
+    assert [s.sent for s in stages] == [[], []]
+    for s in stages:
+        s.trainer.state.step = 9
+        s._serve_staged()
+    assert [s.sent for s in stages] == [[f"{join_key(0)}/2/s0"], [f"{join_key(0)}/2/s1"]]
+
+
+@pytest.mark.timeout(30)
+def test_a_staged_joiner_whose_donor_does_not_answer_fails_within_three_peer_timeouts(store):
+    """Stage 1 of a joining replica: its stage 0 chose donor 0, which never answers (dead,
+    stuck). It fails after 3 x --peer-timeout, not the transfer's timeout, and a donor that
+    answers later finds the refusal standing."""
+    joiner = stage_side(store, 1, 2, peer_timeout=0.3)
+    joiner.trainer.cfg.method.comm_timeout = 20
+    store.set(f"{PREFIX}/joinchoice/0/1", json.dumps({"donor": 5, "n": 1}))
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="did not serve its join request in time"):
+        joiner._join_staged(None)
+    assert time.monotonic() - t0 < 5  # 0.9 s; the transfer would have waited 20 s
+    assert json.loads(store.get(f"{join_key(5)}/serve/1")) == {"step": None}

@@ -361,10 +361,14 @@ class Joiner:
             fixed = False
             while self.served < self.membership.join_requests:
                 self.served += 1
-                if self._request(f"{counter}/{self.served}") is not None:
-                    store.set(f"{counter}/serve/{self.served}",
-                              json.dumps({"step": self.trainer.state.step + 1}))
-                    fixed = True
+                at = (self.trainer.state.step + 1
+                      if self._request(f"{counter}/{self.served}") is not None else None)
+                # Every request gets its answer, a step or None (never completed): the stages
+                # take the answers in order, and a joiner's stages learn a refusal at once.
+                # A joiner that gave up first wrote None (compare-and-set: one stands).
+                got = store.compare_set(f"{counter}/serve/{self.served}", "",
+                                        json.dumps({"step": at}))
+                fixed |= at is not None and json.loads(got)["step"] == at
             if fixed:
                 self._await_stages_looking()
         while True:
@@ -372,11 +376,13 @@ class Joiner:
             if not store.check([key]):
                 return
             at = json.loads(store.get(key))["step"]
-            if at > self.trainer.state.step:
+            if at is not None and at > self.trainer.state.step:
                 return
             self.next_serve += 1
             n = self.next_serve
-            if at < self.trainer.state.step:  # cannot happen (see above); never serve a wrong step
+            # None: not served (its joiner never named itself, or gave up). A past step
+            # cannot happen (see above); a wrong step is never served.
+            if at is None or at < self.trainer.state.step:
                 continue
             t0 = time.perf_counter()
             try:
@@ -618,6 +624,16 @@ class Joiner:
         c = json.loads(store.get(choice))
         if c["donor"] is None:
             self._give_up({r: {} for r in c["live"]})
+        # The donor's stage 0 answers between two of its steps with the step its stages
+        # serve at; one that does not within 3 x --peer-timeout (dead, stuck, finished) is
+        # not waited for the transfer's timeout. Every stage reads the same answer.
+        serve = f"{join_key(c['donor'])}/serve/{c['n']}"
+        got = await_value(store, serve, 3 * self.trainer.cfg.method.peer_timeout)
+        if got is None:
+            got = store.compare_set(serve, "", json.dumps({"step": None}))
+        if json.loads(got)["step"] is None:
+            raise CommError(f"replica {lay.replica} stage {lay.stage}: replica {c['donor']} "
+                            f"did not serve its join request in time")
         tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:
