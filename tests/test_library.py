@@ -323,7 +323,8 @@ def test_a_run_stopped_as_a_whole_resumes_each_replica_from_its_own_checkpoint(t
         (tmp_path / name).mkdir()
         procs = [worker(host.port, r, 3, 40, tmp_path / name / f"out{r}.json", *args,
                         "--barrier", str(tmp_path / name), *extra) for r in range(3)]
-        for code, err in finish(procs):
+        for r, (code, err) in enumerate(finish(procs)):
+            (tmp_path / name / f"err{r}.txt").write_text(err)  # (for a failure's reader)
             assert code == 0, err[-3000:]
             no_cpp_dump(err)
         return [json.loads((tmp_path / name / f"out{r}.json").read_text()) for r in range(3)]
@@ -337,7 +338,8 @@ def test_a_run_stopped_as_a_whole_resumes_each_replica_from_its_own_checkpoint(t
         == [(20, 40, 20, 1)] * 3
     assert all([(j["kind"], j["why"]) for j in x["joins"]] == [("own checkpoint", "resumed")]
                for x in again), [x["joins"] for x in again]
-    assert all(x["weights"] == ref[0]["weights"] for x in again + ref)
+    assert all(x["weights"] == ref[0]["weights"] for x in again + ref), [
+        (x["replica"], x["outer_steps"], x["events"], x["joins"]) for x in ref + first + again]
 
 
 @pytest.mark.slow("two replica processes per method")

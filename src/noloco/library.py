@@ -440,10 +440,13 @@ class ElasticLoop(_Handle):
                            f"{str(e).splitlines()[0][:200]}") from None
         try:
             if resume:
-                others = set(live_replicas(store, m.replicas, 1)) - {replica}
-                self.ns.continue_stopped(store, self._stopped_at(), bool(others),
-                                         unknown_opens=False)
+                self.ns.continue_stopped(
+                    store, self._stopped_at(),
+                    lambda: bool(set(live_replicas(store, m.replicas, 1)) - {replica}),
+                    unknown_opens=False)
             self._enter(store, replica, resume)
+            if self.ckpt.enabled:  # (a process killed before its first save resumes right)
+                self._record_store()
         except RunError:
             raise
         except (OSError, RuntimeError) as e:
@@ -490,6 +493,9 @@ class ElasticLoop(_Handle):
         self.membership = Membership(store, replica, m.replicas, m.peer_timeout, incarnation,
                                      0, 1)
         self.membership.joining = joins
+        if resumes:  # its first beat says where it resumes: a replica with nothing saved
+            # that starts meanwhile joins it, not trains from step 0 beside it
+            self.membership.step = ckpt_mod.steps_on_disk(self.ckpt.root)[0]
         self.membership.start()
         try:
             comm = ElasticCommunicator(self.membership, m.peer_timeout, m.comm_timeout)
@@ -526,6 +532,7 @@ class ElasticLoop(_Handle):
             self.membership.ready = True  # a donor from now on
             self.membership.joining = False
             self.membership.beat()
+            self.membership.await_visible()
         except BaseException:
             self.membership.finish(stopped=True)
             raise
@@ -621,9 +628,14 @@ class ElasticLoop(_Handle):
         is what a resume needs: the epoch it would meet stale records in)."""
         if self.ns.boot is None:
             return
-        self.ckpt.root.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.ckpt.root / self.STOPPED_FILE,
-                          {"boot": self.ns.boot.decode(), "epoch": self.ns.epoch})
+        try:
+            self.ckpt.root.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(self.ckpt.root / self.STOPPED_FILE,
+                              {"boot": self.ns.boot.decode(), "epoch": self.ns.epoch})
+        except OSError as e:  # (a resume then finds the run as if it had no record)
+            print(f"noloco: replica {self.lay.replica}: cannot write "
+                  f"{self.ckpt.root / self.STOPPED_FILE} ({e.strerror})", file=sys.stderr,
+                  flush=True)
 
     def _after_step(self, step: int) -> None:
         if self.ckpt.due(step):

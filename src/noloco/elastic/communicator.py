@@ -160,6 +160,7 @@ class ElasticCommunicator(Communicator):
         self.op_step = 0
         """the step of this replica's latest operation (alone or not)"""
         self._last_snapshot: list[int] = []
+        self._left_out_said: dict[int, str] = {}
         self._regroup: set[int] = set() if membership.incarnation else set(self.ranks)
         """the replicas a snapshot this replica fixes waits a moment for (:meth:`_await_regroup`):
         at the run's start, all of them — workers started together register a moment apart
@@ -264,7 +265,16 @@ class ElasticCommunicator(Communicator):
                 got = probe(self.store, key)
             if got is None:
                 self._await_regroup()
-                got = self.store.compare_set(key, "", json.dumps(self.m.eligible()))
+                mine = json.dumps(self.m.eligible())
+                got = self.store.compare_set(key, "", mine)
+                if got.decode() == mine and self.m.left_out != self._left_out_said:
+                    # Who a snapshot this replica fixed left out, and why: said when that
+                    # changes (a replica dead for good is not said at every operation).
+                    self._left_out_said = dict(self.m.left_out)
+                    self.events.append({"call": self.calls, "step": self.m.step,
+                                        "kind": "snapshot_without",
+                                        "why": {str(r): w for r, w in
+                                                sorted(self.m.left_out.items())}})
                 self.store.set(f"{key}/ok", "1")
                 self._own(self.calls + KEEP_SNAPSHOTS - KEEP_OPS,
                           [key, f"{key}/w", f"{key}/ok"])

@@ -28,6 +28,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -201,23 +202,24 @@ class Namespace:
 
 
     def continue_stopped(self, conn: DeadlineStore, stopped: dict[str, Any] | None,
-                         trains_on: bool, unknown_opens: bool = True) -> str:
+                         trains_on: Callable[[], bool], unknown_opens: bool = True) -> str:
         """Where a stopped run continues (``noloco train --resume`` at a coordinator,
         ``join_run(resume=True)``). ``stopped``: where the run stood in the store when this
         process's part of it stopped (``{"boot", "epoch"}``, or None where unknown);
-        ``trains_on``: other replicas train now. Where they do, this process's replicas join
-        them (new starts in the run's epoch, as after a crash). Where nobody trains, the run
-        continues in a new epoch, whose keys no operation of the stopped run wrote: each
-        replica continues from its own checkpoint and meets no record of the stopped run.
-        The first process to continue opens it; one continuing later finds the run above the
-        epoch it stopped in, and follows. A store that restarted empty since the stop
-        (another boot token) holds nothing of the stopped run: nothing to move. What was
-        decided: "new store", "followed", "trains on", "unknown" or "opened"."""
+        ``trains_on()``: other replicas train now (read only when it matters). Where they
+        do, this process's replicas join them (new starts in the run's epoch, as after a
+        crash). Where nobody trains, the run continues in a new epoch, whose keys no
+        operation of the stopped run wrote: each replica continues from its own checkpoint
+        and meets no record of the stopped run. The first process to continue opens it; one
+        continuing later finds the run above the epoch it stopped in, and follows. A store
+        that restarted empty since the stop (another boot token) holds nothing of the
+        stopped run: nothing to move. What was decided: "new store", "followed", "trains
+        on", "unknown" or "opened"."""
         if stopped is not None and self.boot is not None and stopped["boot"] != self.boot.decode():
             return "new store"
         if stopped is not None and stopped["epoch"] is not None and self.epoch > stopped["epoch"]:
             return "followed"  # another process continued the run first
-        if trains_on:
+        if trains_on():
             return "trains on"
         if stopped is None and not unknown_opens:
             return "unknown"

@@ -130,9 +130,14 @@ class ElasticRun:
         """``--resume`` at a coordinator: the run continues in a new epoch of its store where
         nobody trains, else this machine's replicas join it
         (:meth:`~noloco.elastic.deadline.Namespace.continue_stopped`)."""
-        others = {r for r in live_replicas(conn, self.replicas, self.stages)
-                  if r not in self.local}  # this machine's replicas are not running now
-        if self.ns.continue_stopped(conn, self._stopped_at(), bool(others)) == "trains on":
+        others: set[int] = set()
+
+        def trains_on() -> bool:  # (this machine's replicas are not running now)
+            others.update(r for r in live_replicas(conn, self.replicas, self.stages)
+                          if r not in self.local)
+            return bool(others)
+
+        if self.ns.continue_stopped(conn, self._stopped_at(), trains_on) == "trains on":
             print(f"noloco: the run trains on at replicas {sorted(others)}: the replicas here "
                   f"join them", file=sys.stderr, flush=True)
 

@@ -80,6 +80,8 @@ class Membership:
         self.ready = False
         """training (a joining replica is not, until it has its state)"""
         self.behind = False
+        self.left_out: dict[int, str] = {}
+        """why each replica was not in the last snapshot this one proposed"""
         """an all-reduce went on without this replica: it is no donor until it healed"""
         self.commits = 0
         """all-reduces this replica stepped with (:attr:`ElasticCommunicator.commits`)"""
@@ -223,6 +225,19 @@ class Membership:
             self.last_beat, self._beat_step, self._failing = now, self.step, False
             return requests
 
+    def await_visible(self) -> bool:
+        """Wait until the monitor's published live set holds this replica (at most a few beat
+        intervals): a replica that registered just after a publication is out of every
+        snapshot until the next one, and with fast steps the others would fix several
+        without it. Starting to train only once visible closes that window. False where it
+        did not show in time (it trains anyway: a later snapshot takes it in)."""
+        deadline = time.monotonic() + 3 * self.interval + 0.5
+        while self.replica not in live_replicas(self.store, self.replicas, self.stages):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def nudge(self) -> None:
         """Beat now, from the training thread, to publish a changed flag at once; a failure is
         the beat thread's to retry."""
@@ -308,8 +323,12 @@ class Membership:
         got = read(self.store, [heartbeat_key(r) for r in others]
                    + [missed_key(r) for r in others])
         out = [self.replica]
+        self.left_out = {r: "not live" for r in range(self.replicas)
+                         if r not in live and r != self.replica}
         for r, beat, mark in zip(others, got[:len(others)], got[len(others):], strict=True):
             if beat is None or mark is None or mark:
+                self.left_out[r] = ("no heartbeat" if beat is None else "no mark key"
+                                    if mark is None else f"marked {mark}")
                 continue
             b = json.loads(beat)
             # A behind replica stays in: it heals between two steps and arrives at the
@@ -317,6 +336,8 @@ class Membership:
             # took its state would leave it behind again.
             if not (b.get("joining") or b.get("done")):
                 out.append(r)
+            else:
+                self.left_out[r] = "joining" if b.get("joining") else "finished"
         return sorted(out)
 
     def others_finished(self) -> bool:

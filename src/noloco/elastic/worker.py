@@ -231,6 +231,7 @@ def run(spec: WorkerSpec, status: Any) -> dict[str, Any] | None:
         membership.ready = True  # a donor from now on
         membership.joining = False  # a member of new snapshots
         membership.beat()
+        membership.await_visible()
         summary = trainer.train()
         ok = True
         return summary
