@@ -17,7 +17,7 @@ import torch
 from noloco.comm import CommError, NullCommunicator
 from noloco.config import Config, MethodConfig
 from noloco.elastic.join import Joiner, join_streams
-from noloco.elastic.keys import PREFIX, join_key, join_seen_key
+from noloco.elastic.keys import PREFIX, heartbeat_key, join_key, join_seen_key
 from noloco.methods import build_method
 
 
@@ -132,6 +132,7 @@ def test_a_joiner_that_names_itself_after_its_donor_gave_up_learns_it_at_once(st
     the joiner, stalled longer, reads it as soon as it names itself and asks again, instead
     of waiting 3 x --peer-timeout for a "go" that never comes."""
     donor = store_side(store, 0, peer_timeout=1.0)
+    store.set(heartbeat_key(0), json.dumps({"n": 1}))  # (a donor that trains)
     joiner = store_side(StallsAfterCounting(store, 1.5), 1, peer_timeout=1.0)
     failed: list = []
 
@@ -158,6 +159,7 @@ def test_a_joiner_that_names_itself_after_its_donor_gave_up_learns_it_at_once(st
 def test_a_donor_that_answers_after_its_joiner_gave_up_sends_nothing(store, capfd):
     donor = store_side(store, 0, peer_timeout=0.3)
     joiner = store_side(store, 1, peer_timeout=0.3)
+    store.set(heartbeat_key(0), json.dumps({"n": 1}))
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="the donor did not answer"):
         joiner._take_from(0)  # nobody serves: 3 x 0.3 s
@@ -213,3 +215,23 @@ def test_a_staged_joiner_whose_donor_does_not_answer_fails_within_three_peer_tim
         joiner._join_staged(None)
     assert time.monotonic() - t0 < 5  # 0.9 s; the transfer would have waited 20 s
     assert json.loads(store.get(f"{join_key(5)}/serve/1")) == {"step": None}
+
+
+@pytest.mark.timeout(30)
+def test_a_joiner_does_not_wait_for_a_donor_that_finished(store):
+    """The published live set lags a beat interval: a donor chosen from it may have finished
+    meanwhile. Its own heartbeat, read before asking and while waiting, says so: the joiner
+    asks no finished donor, and stops waiting for one that finishes (at the end of a slice,
+    1 s here) instead of after 3 x --peer-timeout (6 s)."""
+    joiner = store_side(store, 1, peer_timeout=2.0)
+    store.set(heartbeat_key(0), json.dumps({"n": 5, "done": True}))
+    with pytest.raises(RuntimeError, match="the donor finished"):
+        joiner._take_from(0)
+    assert store.add(join_key(0), 0) == 0  # it did not ask
+    store.set(heartbeat_key(0), json.dumps({"n": 5}))
+    threading.Timer(0.3, lambda: store.set(heartbeat_key(0),
+                                           json.dumps({"n": 6, "done": True}))).start()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the donor did not answer"):
+        joiner._take_from(0)
+    assert time.monotonic() - t0 < 4

@@ -31,7 +31,7 @@ from noloco.comm import CommError
 from noloco.config import ConfigError
 from noloco.elastic.deadline import raw, store_errors
 from noloco.elastic.files import replica_checkpoints
-from noloco.elastic.keys import PREFIX, join_key, join_seen_key, missed_key
+from noloco.elastic.keys import PREFIX, heartbeat_key, join_key, join_seen_key, missed_key
 from noloco.elastic.membership import Membership, await_value, live_replicas, probe
 from noloco.errors import StoreLost, Superseded
 from noloco.guard import all_finite
@@ -558,9 +558,17 @@ class Joiner:
             self._give_up(live)
         return False
 
+    def _donor_finished(self, donor: int) -> bool:
+        """The donor's own heartbeat, read now, says it finished (the monitor's published live
+        set, which chose it, may be a beat interval older; a finished replica serves nobody)."""
+        got = probe(self.membership.store, heartbeat_key(donor))
+        return got is None or bool(json.loads(got).get("done"))  # (etcd: its lease expired)
+
     def _take_from(self, donor: int) -> tuple[dict[str, Any], int]:
         """Ask ``donor`` for its live state and receive it; RuntimeError if it does not send."""
         store = self.membership.store
+        if self._donor_finished(donor):
+            raise RuntimeError("the donor finished")
         n = store.add(join_key(donor), 1)
         tag = f"{join_key(donor)}/{n}"
         store.set(tag, self._ask(tag))
@@ -568,7 +576,8 @@ class Joiner:
         # (dead, stuck, finished) is not waited for the transfer's. Exactly one of its "go"
         # and a "no" stands (compare-and-set): this joiner's when it gives up, the donor's
         # when this request came too late for it.
-        go = await_value(store, f"{tag}/go", 3 * self.trainer.cfg.method.peer_timeout)
+        go = await_value(store, f"{tag}/go", 3 * self.trainer.cfg.method.peer_timeout,
+                         gone=lambda: self._donor_finished(donor))
         if go == b"no":
             raise RuntimeError("the donor gave up waiting for this request")
         if go is None and store.compare_set(f"{tag}/go", "", "no") == b"no":

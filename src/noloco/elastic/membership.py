@@ -232,10 +232,13 @@ class Membership:
         without it. Starting to train only once visible closes that window. False where it
         did not show in time (it trains anyway: a later snapshot takes it in)."""
         deadline = time.monotonic() + 3 * self.interval + 0.5
-        while self.replica not in live_replicas(self.store, self.replicas, self.stages):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
+        try:
+            while self.replica not in live_replicas(self.store, self.replicas, self.stages):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the store out of reach: the training loop's to see
+            return False
         return True
 
     def nudge(self) -> None:
