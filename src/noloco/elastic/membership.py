@@ -80,9 +80,9 @@ class Membership:
         self.ready = False
         """training (a joining replica is not, until it has its state)"""
         self.behind = False
+        """an all-reduce went on without this replica: it is no donor until it healed"""
         self.left_out: dict[int, str] = {}
         """why each replica was not in the last snapshot this one proposed"""
-        """an all-reduce went on without this replica: it is no donor until it healed"""
         self.commits = 0
         """all-reduces this replica stepped with (:attr:`ElasticCommunicator.commits`)"""
         self.info: dict[str, Any] = {}
