@@ -492,7 +492,16 @@ class Joiner:
         # progress — taking one replica's state would throw the others' away.
         unsure = self.trainer.cfg.method.method != "noloco" and self.trainer.comm.unsure
         above = self.trainer.comm.commits if unsure else None
-        if self.membership.donors(above):
+        donors = self.membership.donors(above)
+        # A replica that stepped where this one did not may still say it is behind (an outage
+        # marked everyone; it clears that at its next step): no donor yet, but one in a
+        # moment — going on alone now would keep slow weights apart from the run's.
+        deadline = time.monotonic() + self.trainer.cfg.method.peer_timeout
+        while (not donors and time.monotonic() < deadline
+               and self.membership.catching_up(self.trainer.comm.commits)):
+            time.sleep(0.1)
+            donors = self.membership.donors(above)
+        if donors:
             resumed_from = self.trainer.resumed_from
             # failed: again before the next step
             self.join(own=None, tries=1, kind="healed", commits_above=above)

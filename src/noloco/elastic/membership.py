@@ -360,11 +360,33 @@ class Membership:
 
     def donors_among(self, live: dict[int, dict[str, Any]], commits_above: int | None = None
                      ) -> list[int]:
-        """:meth:`donors` among ``live`` (a :func:`live_replicas` read)."""
-        ready = [(b["step"], r) for r, b in live.items()
-                 if r != self.replica and b["ready"] and not b.get("behind")
+        """:meth:`donors` among ``live`` (a :func:`live_replicas` read), judged by their own
+        heartbeats read now, in one read. The published set is up to a beat interval old, and
+        a replica that healed says so at once (it beats as it clears its flag): judged by the
+        published flags, a healing replica found every other one still behind and took its
+        own state for the live one — its slow weights apart from the run's from then on."""
+        ready = [(b["step"], r) for r, b in self._beats_of(live).items()
+                 if b.get("ready") and not (b.get("behind") or b.get("joining")
+                                            or b.get("done"))
                  and (commits_above is None or b.get("commits", 0) > commits_above)]
         return [r for _, r in sorted(ready, key=lambda x: (-x[0], x[1]))]
+
+    def catching_up(self, commits: int) -> list[int]:
+        """Live replicas that stepped with more all-reduces than ``commits`` and whose
+        heartbeat, read now, still says they are behind: each clears its flag at its next step
+        — by a heal of its own, or finding that nobody holds more — and is then a donor for
+        one that missed what they did (:meth:`noloco.elastic.join.Joiner.heal`)."""
+        live = live_replicas(self.store, self.replicas, self.stages)
+        return sorted(r for r, b in self._beats_of(live).items()
+                      if b.get("behind") and not b.get("done")
+                      and b.get("commits", 0) > commits)
+
+    def _beats_of(self, live: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Each other replica of ``live`` → its stage 0's heartbeat as it is now (those whose
+        heartbeat is gone are left out: on etcd, a lease that expired)."""
+        others = sorted(r for r in live if r != self.replica)
+        got = read(self.store, [heartbeat_key(r) for r in others])
+        return {r: json.loads(b) for r, b in zip(others, got, strict=True) if b is not None}
 
 
 _ABSENT = "\x00absent"
