@@ -458,7 +458,8 @@ class ElasticLoop(_Handle):
         """The checks, then this replica counted in, registered and (a joiner) given a live
         state; resuming (its first start in this epoch), its own newest checkpoint's."""
         m, t = self.cfg.method, self.cfg.train
-        own = resume and bool(ckpt_mod.steps_on_disk(self.ckpt.root))
+        saved = ckpt_mod.steps_on_disk(self.ckpt.root) if self.ckpt.enabled else []
+        own = resume and bool(saved)
         # What every replica must share, checked before this one counts itself in.
         arch = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.runner.named_parameters()]
         self._agree(store, "architecture", _digest(arch),
@@ -476,7 +477,7 @@ class ElasticLoop(_Handle):
                         "its initial weights differ from those the run started from: seed "
                         "the model's initialisation alike on every replica")
         if self.ckpt.enabled and not resume and store.add(starts_key(replica, 0), 0) == 0 \
-                and ckpt_mod.steps_on_disk(self.ckpt.root):
+                and saved:
             # Its first start in this run: checkpoints there are another run's (or this
             # run's before its coordinator restarted empty), and would pass for its own.
             raise RunError(f"join_run: replica {replica}: {self.ckpt.root} holds checkpoints "
@@ -495,7 +496,7 @@ class ElasticLoop(_Handle):
         self.membership.joining = joins
         if resumes:  # its first beat says where it resumes: a replica with nothing saved
             # that starts meanwhile joins it, not trains from step 0 beside it
-            self.membership.step = ckpt_mod.steps_on_disk(self.ckpt.root)[0]
+            self.membership.step = saved[0]
         self.membership.start()
         try:
             comm = ElasticCommunicator(self.membership, m.peer_timeout, m.comm_timeout)
