@@ -52,10 +52,13 @@ def wire_bytes(state: dict) -> int:
 @pytest.mark.parametrize("method", ["diloco", "noloco"])
 def test_slow_weights_equal_to_the_model_are_sent_once(method):
     donor, joiner = replica(method, 0), replica(method, 1)
+    donor.trainer.comm.commits = 5
     fresh = donor.live_state()  # φ = θ, as right after an outer step
     assert fresh["phi_is_model"] == [0] and fresh["method"]["phi"] == [None]
     joiner._adopt(fresh, None)
     assert joiner.checksum() == donor.checksum()  # model, φ and outer momentum: the donor's
+    # its count too, and its next heartbeat says so (a healer compares it)
+    assert joiner.trainer.comm.commits == joiner.membership.commits == 5
     with torch.no_grad():  # an inner step later: φ ≠ θ, sent in full
         for p in donor.trainer.model.parameters():
             p.add_(0.01)
@@ -275,6 +278,7 @@ def healing_side(store, commits: int, unsure: bool) -> Joiner:
     joiner.trainer.comm = SimpleNamespace(behind=True, unsure=unsure, commits=commits,
                                           back=lambda: cleared.append(True))
     joiner.trainer.resumed_from = None
+    joiner.trainer.lay.stages = 1
     joiner.joined = []
     joiner.cleared = cleared
     joiner.join = lambda **kw: joiner.joined.append(kw) or True
@@ -297,9 +301,11 @@ def test_a_replica_heals_from_one_that_stepped_where_it_did_not_once_that_one_cl
     beat(store, 1, behind=True)  # stepped with the others at the last operation
     beat(store, 2, behind=True)
     healer = healing_side(store, commits=2, unsure=unsure)
-    threading.Timer(0.5, lambda: beat(store, 2, behind=False)).start()
+    clears = threading.Timer(0.5, lambda: beat(store, 2, behind=False))
+    clears.start()
     t0 = time.monotonic()
     healer.heal()
+    clears.join()
     assert [j.get("commits_above") for j in healer.joined] == [2 if unsure else None]
     assert healer.cleared == [] and healer.trainer.comm.behind
     assert 0.4 < time.monotonic() - t0 < 2.5

@@ -313,8 +313,11 @@ class ElasticCommunicator(Communicator):
         return max(0, ahead - self.m.step) * self.pace
 
     def back(self) -> None:
-        """Clear this replica's missed mark (it arrives again, joined or healed)."""
-        self.store.set(missed_key(self.rank), "")
+        """Clear this replica's missed mark (it arrives again, joined or healed), saying from
+        which operation on: a decision of an earlier one that went on without it, written only
+        now (its members waited --peer-timeout for it, while it came back from a cut within
+        fewer seconds), marks it no more (:meth:`_mark`)."""
+        self.store.set(missed_key(self.rank), f"b:{self.calls}")
         self._marked = False
         self._seen = None  # a join moved the step: the pace is measured afresh
 
@@ -428,8 +431,25 @@ class ElasticCommunicator(Communicator):
         if final == proposal:  # this decision (or an identical one) stands
             for r in group:
                 if r not in final:  # missed its arrival: out of new snapshots until back
-                    self.store.set(missed_key(r), f"m:{call}")
+                    self._mark(r, call)
         return final
+
+    def _mark(self, replica: int, call: int) -> None:
+        """Mark ``replica`` as having missed operation ``call`` — unless it came back at a
+        later operation already (a stale mark would leave it out of the next snapshot for
+        nothing: a DiLoCo replica not in a snapshot is behind and takes a state), or a mark of
+        a later operation stands (never lowered). Compare-and-set: its own ``back`` may
+        write at the same moment."""
+        key = missed_key(replica)
+        cur = (probe(self.store, key) or b"").decode()
+        while True:
+            kind, _, at = cur.partition(":")
+            if (kind == "b" and int(at) > call) or (kind == "m" and int(at) >= call):
+                return
+            got = self.store.compare_set(key, cur, f"m:{call}").decode()
+            if got == f"m:{call}":
+                return
+            cur = got
 
     def agree(self, group: Sequence[int]) -> list[int]:
         """The next operation's arrival agreement alone, moving no bytes: the store's part of

@@ -495,9 +495,12 @@ class Joiner:
         donors = self.membership.donors(above)
         # A replica that stepped where this one did not may still say it is behind (an outage
         # marked everyone; it clears that at its next step): no donor yet, but one in a
-        # moment — going on alone now would keep slow weights apart from the run's.
-        deadline = time.monotonic() + self.trainer.cfg.method.peer_timeout
-        while (not donors and time.monotonic() < deadline
+        # moment — going on alone now would keep slow weights apart from the run's. At most
+        # twice --peer-timeout: one that waits for the others to move before it steps again
+        # (_realign, ahead after a cut) gives that up after one, then clears its flag. (With
+        # pipeline stages a replica only ever takes a state as it starts.)
+        deadline = time.monotonic() + 2 * self.trainer.cfg.method.peer_timeout
+        while (not donors and self.trainer.lay.stages == 1 and time.monotonic() < deadline
                and self.membership.catching_up(self.trainer.comm.commits)):
             time.sleep(0.1)
             donors = self.membership.donors(above)
@@ -793,6 +796,9 @@ class Joiner:
                          int(state["step"]))
         self.trainer.state.step = self.trainer.status.step = int(state["step"])
         self.membership.step = self.trainer.state.step
+        # Its next beat says the donor's count: a replica that heals from this one compares
+        # it (Membership.donors_among, with commits_above).
+        self.membership.commits = self.trainer.comm.commits
         self.trainer.resumed_from = self.trainer.state.step
         # A live state: not behind, and no longer marked for an operation it (or its
         # previous life) missed — maybe marked after this process started.

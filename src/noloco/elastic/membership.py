@@ -329,7 +329,7 @@ class Membership:
         self.left_out = {r: "not live" for r in range(self.replicas)
                          if r not in live and r != self.replica}
         for r, beat, mark in zip(others, got[:len(others)], got[len(others):], strict=True):
-            if beat is None or mark is None or mark:
+            if beat is None or mark is None or mark.startswith("m:"):
                 self.left_out[r] = ("no heartbeat" if beat is None else "no mark key"
                                     if mark is None else f"marked {mark}")
                 continue
