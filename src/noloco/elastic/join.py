@@ -16,6 +16,7 @@ Floor 4 of docs/architecture.md: what an elastic run adds to the trainer.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import sys
 import time
@@ -616,45 +617,47 @@ class Joiner:
 
     def _join_staged(self, own: dict[str, Any] | None) -> bool:
         """Joiner side with pipeline stages: stage 0 picks the donor and asks it; every stage
-        takes its state from the donor's same stage (:meth:`_serve_staged`)."""
+        takes its state from the donor's same stage (:meth:`_serve_staged`). A donor that does
+        not serve the request (dead, stuck, finished since the live set was published) is
+        given up by every stage alike — they read the one answer that stands — and stage 0
+        asks another, in the next attempt's choice, until the join's deadline."""
         store, lay, m = self.membership.store, self.trainer.lay, self.membership
-        choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}"
-        deadline = time.monotonic() + 10 * self.trainer.cfg.method.peer_timeout
-        if lay.stage == 0:
-            while not (donors := m.donors_among(live := live_replicas(store, m.replicas,
-                                                                      m.stages))):
-                if time.monotonic() > deadline or self._nobody_left(live):
-                    donors = []
-                    break
-                time.sleep(0.2)
-            if donors:
-                donor = donors[0]
-                n = store.add(join_key(donor), 1)
-                store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
-                store.set(choice, json.dumps({"donor": donor, "n": n}))
-            else:  # every stage learns it: they go on from their own checkpoints together
-                store.set(choice, json.dumps(
-                    {"donor": None, "live": sorted(r for r in live if r != lay.replica)}))
-        # Stage 0 decides within the deadline; the others give it a peer timeout more, so
-        # none of them gives up on a choice stage 0 is writing.
-        while not store.check([choice]):
-            if time.monotonic() > deadline + self.trainer.cfg.method.peer_timeout:
-                raise ConfigError(f"replica {lay.replica} stage {lay.stage}: its stage 0 "
-                                  f"chose no donor in time")
-            time.sleep(0.05)
-        c = json.loads(store.get(choice))
-        if c["donor"] is None:
-            self._give_up({r: {} for r in c["live"]})
-        # The donor's stage 0 answers between two of its steps with the step its stages
-        # serve at; one that does not within 3 x --peer-timeout (dead, stuck, finished) is
-        # not waited for the transfer's timeout. Every stage reads the same answer.
-        serve = f"{join_key(c['donor'])}/serve/{c['n']}"
-        got = await_value(store, serve, 3 * self.trainer.cfg.method.peer_timeout)
-        if got is None:
-            got = store.compare_set(serve, "", json.dumps({"step": None}))
-        if json.loads(got)["step"] is None:
-            raise CommError(f"replica {lay.replica} stage {lay.stage}: replica {c['donor']} "
-                            f"did not serve its join request in time")
+        peer_timeout = self.trainer.cfg.method.peer_timeout
+        deadline = time.monotonic() + 10 * peer_timeout
+        failed: list[int] = []
+        """donors that did not serve, in order: the next attempt asks another one"""
+        for attempt in itertools.count():
+            choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}" + (
+                f"/{attempt}" if attempt else "")
+            # Stage 0 decides by the deadline; the others give it a peer timeout more (from
+            # now, where an answer awaited below ran past it), so none gives up on a choice
+            # stage 0 is writing.
+            wait_until = max(deadline, time.monotonic()) + peer_timeout
+            if lay.stage == 0:
+                self._choose_staged(choice, deadline, failed)
+            while not store.check([choice]):
+                if time.monotonic() > wait_until:
+                    raise ConfigError(f"replica {lay.replica} stage {lay.stage}: its stage 0 "
+                                      f"chose no donor in time")
+                time.sleep(0.05)
+            c = json.loads(store.get(choice))
+            if c["donor"] is None:
+                self._give_up({r: {} for r in c["live"]})
+            # The donor's stage 0 answers between two of its steps with the step its stages
+            # serve at; one that does not within 3 x --peer-timeout (dead, stuck, finished) is
+            # not waited for the transfer's timeout. Every stage reads the same answer.
+            serve = f"{join_key(c['donor'])}/serve/{c['n']}"
+            got = await_value(store, serve, 3 * peer_timeout)
+            if got is None:
+                got = store.compare_set(serve, "", json.dumps({"step": None}))
+            if json.loads(got)["step"] is not None:
+                break
+            if c["donor"] in failed:
+                failed.remove(c["donor"])
+            failed.append(c["donor"])
+            if lay.stage == 0:
+                print(f"noloco: replica {lay.replica}: replica {c['donor']} did not serve its "
+                      f"join request in time; asking another", file=sys.stderr, flush=True)
         tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:
@@ -674,6 +677,26 @@ class Joiner:
                   f"with the "
                   f"state of replica {c['donor']}", file=sys.stderr, flush=True)
         return True
+
+    def _choose_staged(self, choice: str, deadline: float, failed: list[int]) -> None:
+        """Stage 0 of a joiner with stages: pick the donor (one that has not failed this join
+        first, else the one that failed longest ago), ask it, and write the choice every
+        stage reads; by the deadline, with no donor, write that there is none."""
+        store, lay, m = self.membership.store, self.trainer.lay, self.membership
+        while not (donors := m.donors_among(live := live_replicas(store, m.replicas,
+                                                                  m.stages))):
+            if time.monotonic() > deadline or self._nobody_left(live):
+                break
+            time.sleep(0.2)
+        if donors and time.monotonic() <= deadline:
+            fresh = [d for d in donors if d not in failed]
+            donor = fresh[0] if fresh else min(donors, key=failed.index)
+            n = store.add(join_key(donor), 1)
+            store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
+            store.set(choice, json.dumps({"donor": donor, "n": n}))
+        else:  # every stage learns it: they go on from their own checkpoints together
+            store.set(choice, json.dumps(
+                {"donor": None, "live": sorted(r for r in live if r != lay.replica)}))
 
     def _receive_state(self, tag: str, donor: int) -> tuple[dict[str, Any], int]:
         """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
