@@ -35,7 +35,7 @@ def replica(store, lonely: int, op_step: int, step: int, peer_timeout: float = 2
     cut = cut if cut is not None else [False]
     m = SimpleNamespace(replica=0, replicas=3, stages=stages, ns=None, store=store, cuts=[{}],
                         cut_off=lambda: cut[0], last_beat=time.monotonic(),
-                        nudge=lambda: None)
+                        nudge=lambda: None, broken=False)
     store.set(missed_key(0), "")
     j = Joiner(m)
     j.attach(SimpleNamespace(cfg=cfg, comm=Comm(store, lonely, op_step),
@@ -174,3 +174,35 @@ def test_a_replica_that_missed_an_operation_leaves_a_decision_for_a_later_partne
     # itself below the later operation its mark names.
     assert store.get(missed_key(1)) == b"m:9"
     assert store.get(missed_key(0)) == b""
+
+
+def test_until_it_realigned_a_replica_back_from_a_cut_goes_no_further(store):
+    """Back from operations alone, a replica that cannot re-align yet (its connection broke
+    with the old store; or the store fails again) says it is not through (partition_check
+    False: no heal, no serving this time) — a heal then could find nobody with more
+    all-reduces yet and take its own state for the live one. A broken connection is renewed
+    first; once the re-alignment goes through, it is."""
+    import torch.distributed as dist
+
+    j = replica(store, lonely=4, op_step=40, step=42)
+    live(store, r0=42, r1=40)
+    m = j.membership
+    m.broken, renewals = True, []
+
+    def renew() -> None:
+        renewals.append(True)
+        if len(renewals) == 1:
+            raise dist.DistStoreError("still out of reach")
+        m.broken = False
+
+    m.renew = renew
+    assert not j.partition_check()  # the renewal failed: not re-aligned
+    assert j.trainer.comm.lonely == 4 and j.trainer.comm.events == []
+    steps = j._steps_of_others
+    j._steps_of_others = lambda: (_ for _ in ()).throw(dist.DistStoreError("gone again"))
+    assert not j.partition_check()  # renewed, but the re-alignment failed
+    assert j.trainer.comm.lonely == 4 and m.broken
+    j._steps_of_others = steps
+    assert j.partition_check()  # renewed again, and re-aligned
+    assert len(renewals) == 3 and j.trainer.comm.lonely == 0
+    assert j.trainer.comm.events[-1]["realigned"] == "level"

@@ -40,6 +40,8 @@ def script(store: dist.Store, tag: str) -> list:
             store.add(k + "n", 0), store.add(k + "fresh", 0)]
     out += [store.compare_set(k + "c", "", "x"), store.compare_set(k + "c", "", "y"),
             store.compare_set(k + "c", "x", "z"), store.compare_set(k + "none", "q", "r")]
+    store.set(k + "e", "")  # an existing empty value matches an empty expectation
+    out += [store.compare_set(k + "e", "", "m:3"), store.compare_set(k + "e", "", "m:4")]
     store.append(k + "l", "1,")
     store.append(k + "l", "2,")
     out += [store.get(k + "l"), store.check([k + "a", k + "l"]),

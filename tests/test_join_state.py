@@ -365,6 +365,7 @@ def healing_side(store, commits: int, unsure: bool) -> Joiner:
     joiner.trainer.cfg.method.method = "diloco"
     cleared = []
     joiner.trainer.comm = SimpleNamespace(behind=True, unsure=unsure, commits=commits,
+                                          calls=9, events=[],
                                           back=lambda: cleared.append(True))
     joiner.trainer.resumed_from = None
     joiner.trainer.lay.stages = 1
@@ -416,4 +417,8 @@ def test_after_an_outage_nobody_stepped_through_a_replica_goes_on_with_its_own_s
     healer.heal()
     assert healer.joined == [] and healer.cleared == [True]
     assert not healer.trainer.comm.behind
+    # said, with how the others stood
+    (event,) = healer.trainer.comm.events
+    assert event["kind"] == "own_state" and event["commits"] == 3 and event["unsure"]
+    assert event["others"]["1"] == {"step": 40, "commits": 3, "behind": True, "ready": True}
     assert time.monotonic() - t0 < 1.0

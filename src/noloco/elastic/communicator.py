@@ -167,6 +167,8 @@ class ElasticCommunicator(Communicator):
         (the monitor publishes who is live a few times per peer timeout), and the first to
         arrive would otherwise fix a snapshot of itself alone; after the store restarted
         empty, those of the last snapshot before it"""
+        self._generation = self._store_generation()
+        """the store's generation (restarts seen) this replica last regrouped for"""
         self.commits = 0
         """all-reduces this replica stepped with, as every member of their outcome did: a
         replica with fewer than a live one's has other slow weights — it is behind"""
@@ -247,6 +249,13 @@ class ElasticCommunicator(Communicator):
         it (the stages of a replica share it). One round trip when it is fixed already; the
         writer reads the eligible replicas first (:meth:`Membership.eligible`)."""
         self._reachable()
+        if self._store_generation() != self._generation:
+            # A new epoch seen first here (the connection renewed just now, between the
+            # trainer's look and this operation): this snapshot is the epoch's first. Fixed
+            # at once, the others not yet registered again, this replica would step alone an
+            # operation they skipped while the store was down — slow weights apart for good
+            # (a CI failure of the library's coordinator-restart test).
+            self.new_epoch()
         key = snapshot_key(self.calls)
         got = probe(self.store, key)
         if got is None:
@@ -313,18 +322,21 @@ class ElasticCommunicator(Communicator):
         return max(0, ahead - self.m.step) * self.pace
 
     def back(self) -> None:
-        """Clear this replica's missed mark (it arrives again, joined or healed), saying from
-        which operation on: a decision of an earlier one that went on without it, written only
-        now (its members waited --peer-timeout for it, while it came back from a cut within
-        fewer seconds), marks it no more (:meth:`_mark`)."""
-        self.store.set(missed_key(self.rank), f"b:{self.calls}")
+        """Clear this replica's missed mark (it arrives again, joined or healed)."""
+        self.store.set(missed_key(self.rank), "")
         self._marked = False
         self._seen = None  # a join moved the step: the pace is measured afresh
 
     def new_epoch(self) -> None:
-        """The store restarted empty: the keys this replica owned went with it."""
+        """The store restarted empty: the keys this replica owned went with it, and the
+        epoch's first snapshot waits for the others to regroup (:meth:`_await_regroup`)."""
+        self._generation = self._store_generation()
         self._owned.clear()
         self._regroup = set(self._last_snapshot)
+
+    def _store_generation(self) -> int:
+        ns = getattr(self.m, "ns", None)
+        return ns.generation if ns is not None else 0
 
     def _await_regroup(self) -> None:
         """The run's first snapshot, and the first of a new epoch, waits — at most half the
@@ -431,25 +443,8 @@ class ElasticCommunicator(Communicator):
         if final == proposal:  # this decision (or an identical one) stands
             for r in group:
                 if r not in final:  # missed its arrival: out of new snapshots until back
-                    self._mark(r, call)
+                    self.store.set(missed_key(r), f"m:{call}")
         return final
-
-    def _mark(self, replica: int, call: int) -> None:
-        """Mark ``replica`` as having missed operation ``call`` — unless it came back at a
-        later operation already (a stale mark would leave it out of the next snapshot for
-        nothing: a DiLoCo replica not in a snapshot is behind and takes a state), or a mark of
-        a later operation stands (never lowered). Compare-and-set: its own ``back`` may
-        write at the same moment."""
-        key = missed_key(replica)
-        cur = (probe(self.store, key) or b"").decode()
-        while True:
-            kind, _, at = cur.partition(":")
-            if (kind == "b" and int(at) > call) or (kind == "m" and int(at) >= call):
-                return
-            got = self.store.compare_set(key, cur, f"m:{call}").decode()
-            if got == f"m:{call}":
-                return
-            cur = got
 
     def agree(self, group: Sequence[int]) -> list[int]:
         """The next operation's arrival agreement alone, moving no bytes: the store's part of

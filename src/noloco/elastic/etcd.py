@@ -271,12 +271,22 @@ class EtcdStore(dist.Store):
         cmp = ({"key": _b64(key), "target": "CREATE", "result": "EQUAL",
                 "create_revision": "0"} if not exp else
                {"key": _b64(key), "target": "VALUE", "result": "EQUAL", "value": _b64(exp)})
-        got = self._txn([cmp], [{"request_put": {"key": _b64(key), "value": _b64(want)}}],
-                        [{"request_range": {"key": _b64(key)}}])
-        if got.get("succeeded"):
-            return want
-        kvs = got["responses"][0].get("response_range", {}).get("kvs")
-        return _unb64(kvs[0].get("value")) if kvs else exp
+        while True:
+            got = self._txn([cmp], [{"request_put": {"key": _b64(key), "value": _b64(want)}}],
+                            [{"request_range": {"key": _b64(key)}}])
+            if got.get("succeeded"):
+                return want
+            kvs = got["responses"][0].get("response_range", {}).get("kvs")
+            if not kvs:
+                return exp
+            value = _unb64(kvs[0].get("value"))
+            if exp or value:
+                return value
+            # The key holds the empty value: TCPStore matches that as it matches absence (a
+            # writer that cleared a key to "" compares-and-sets from "" again). Put only if
+            # it still holds that very version; else look again.
+            cmp = {"key": _b64(key), "target": "MOD", "result": "EQUAL",
+                   "mod_revision": kvs[0]["mod_revision"]}
 
     def _many(self, keys: list[str]) -> list[dict[str, Any] | None]:
         got = self._txn([], [{"request_range": {"key": _b64(k)}} for k in keys], [])

@@ -162,7 +162,20 @@ class Joiner:
             if not self._wait_for_link():
                 return False  # a stop signal: the step boundary saves and stops
         if comm.lonely:
+            # Not re-aligned, it does not know where it stands: a heal now could find
+            # nobody with more all-reduces yet (the others have still to step operations it
+            # passed alone) and take its own state for the live one, its slow weights apart
+            # from the run's for good (a CI failure after a coordinator outage: the training
+            # thread's connection, broken with the old store, failed the re-alignment, then
+            # renewed, and the heal ran). So: a fresh connection first, and nothing more until
+            # the re-alignment went through.
+            if m.broken:
+                try:
+                    m.renew()
+                except Exception:  # noqa: BLE001 - the store is still out of reach: later
+                    return False
             self._realign()
+            return not comm.lonely
         return True
 
     def lonely_limit(self) -> int:
@@ -283,14 +296,16 @@ class Joiner:
         m.info.update(outer=self.trainer.method.outer_steps,
                       blocked=round(self.trainer.comm.sync_seconds, 2),
                       joins=sum(j.get("kind") in ("joined", "healed") for j in self.joins))
-        if not self.partition_check():
-            return  # cut off: nobody to heal from, nobody can ask (the others see it dead)
         if m.ns is not None and m.ns.generation != self.generation:
             # The store restarted empty (a new epoch): what this replica counted in the old
-            # one is gone with it.
+            # one is gone with it. Before anything else: the next snapshot, wherever this
+            # replica stands, is the epoch's first and waits for the others to regroup.
             self.generation = m.ns.generation
             self.served = self.next_serve = 0
             self.trainer.comm.new_epoch()
+        if not self.partition_check():
+            return  # cut off (nobody to heal from, nobody can ask: the others see it dead),
+            # or not re-aligned yet
         if m.broken:
             try:
                 m.renew()
@@ -511,8 +526,19 @@ class Joiner:
             self.join(own=None, tries=1, kind="healed", commits_above=above)
             self.trainer.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
-            self.trainer.comm.behind = self.trainer.comm.unsure = False
-            self.trainer.comm.back()
+            comm = self.trainer.comm
+            # Said, with how the others stood (read now): a replica whose slow weights then
+            # differ from the run's shows here why it did not heal.
+            others = self.membership.beats_of(live_replicas(
+                self.membership.store, self.membership.replicas, self.membership.stages))
+            comm.events.append({"call": comm.calls, "step": self.trainer.state.step,
+                                "kind": "own_state", "unsure": unsure,
+                                "commits": comm.commits,
+                                "others": {str(r): {k: b.get(k) for k in
+                                                    ("step", "commits", "behind", "ready")}
+                                           for r, b in sorted(others.items())}})
+            comm.behind = comm.unsure = False
+            comm.back()
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
              kind: str = "joined", commits_above: int | None = None) -> bool:
@@ -658,6 +684,7 @@ class Joiner:
             if lay.stage == 0:
                 print(f"noloco: replica {lay.replica}: replica {c['donor']} did not serve its "
                       f"join request in time; asking another", file=sys.stderr, flush=True)
+            time.sleep(0.2)  # (one that refuses at once is not asked again in a tight loop)
         tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
         t0 = time.perf_counter()
         try:

@@ -16,9 +16,8 @@ def heartbeat_key(replica: int, stage: int = 0) -> str:
 
 def missed_key(replica: int) -> str:
     """``m:C`` once an operation C was decided without this replica (it missed its arrival),
-    ``b:D`` when it is back, from its operation D on (empty as it registers, or beats again
-    after a cut) (:mod:`noloco.elastic.communicator`). A replica with an ``m:`` mark is left
-    out of new snapshots: nobody waits for it twice."""
+    empty again when it is back (:mod:`noloco.elastic.communicator`). A replica with a mark is
+    left out of new snapshots: nobody waits for it twice."""
     return f"{PREFIX}/missed/{replica}"
 
 

@@ -329,7 +329,7 @@ class Membership:
         self.left_out = {r: "not live" for r in range(self.replicas)
                          if r not in live and r != self.replica}
         for r, beat, mark in zip(others, got[:len(others)], got[len(others):], strict=True):
-            if beat is None or mark is None or mark.startswith("m:"):
+            if beat is None or mark is None or mark:
                 self.left_out[r] = ("no heartbeat" if beat is None else "no mark key"
                                     if mark is None else f"marked {mark}")
                 continue
@@ -365,7 +365,7 @@ class Membership:
         a replica that healed says so at once (it beats as it clears its flag): judged by the
         published flags, a healing replica found every other one still behind and took its
         own state for the live one — its slow weights apart from the run's from then on."""
-        ready = [(b["step"], r) for r, b in self._beats_of(live).items()
+        ready = [(b["step"], r) for r, b in self.beats_of(live).items()
                  if b.get("ready") and not (b.get("behind") or b.get("joining")
                                             or b.get("done"))
                  and (commits_above is None or b.get("commits", 0) > commits_above)]
@@ -377,11 +377,11 @@ class Membership:
         — by a heal of its own, or finding that nobody holds more — and is then a donor for
         one that missed what they did (:meth:`noloco.elastic.join.Joiner.heal`)."""
         live = live_replicas(self.store, self.replicas, self.stages)
-        return sorted(r for r, b in self._beats_of(live).items()
+        return sorted(r for r, b in self.beats_of(live).items()
                       if b.get("behind") and not b.get("done")
                       and b.get("commits", 0) > commits)
 
-    def _beats_of(self, live: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    def beats_of(self, live: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         """Each other replica of ``live`` → its stage 0's heartbeat as it is now (those whose
         heartbeat is gone are left out: on etcd, a lease that expired)."""
         others = sorted(r for r in live if r != self.replica)
