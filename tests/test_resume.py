@@ -170,11 +170,15 @@ def test_machines_resuming_at_one_coordinator_meet_in_one_new_epoch(tmp_path, mo
         open_store("127.0.0.1", host.port, 10.0, ns)
         assert ns.epoch == 1  # and every worker entering finds it
         # The run trains on at replica 2 (elsewhere) in epoch 1; replica 0 here stopped in 1
+        # (A set gets no answer: a request after it on the same connection is answered
+        # only once the store took it, so another connection reads the new value.)
         conn_a.set(live_key(), json.dumps({"0": {"step": 5}, "2": {"step": 40}}))
+        conn_a.get(live_key())
         c, conn_c = machine([0], {"boot": boot, "epoch": 1})
         c._resume_epoch(conn_c)
         assert c.ns.epoch == 1  # its replicas join the live ones
         conn_a.set(live_key(), json.dumps({"0": {"step": 5}}))  # only its own (stale) beat
+        conn_a.get(live_key())
         c._resume_epoch(conn_c)
         assert c.ns.epoch == 2
         # Stopped in epoch 5 of a store that has restarted empty since: not compared
