@@ -291,6 +291,7 @@ def test_a_staged_joiner_whose_donor_does_not_answer_asks_another(store, capfd):
         capfd.readouterr().err
 
 
+@pytest.mark.slow("waits out the join's deadline, 10 x a 0.3 s --peer-timeout")
 @pytest.mark.timeout(30)
 def test_a_staged_joiner_whose_only_donor_never_answers_gives_up_at_its_deadline(store):
     """The only donor never answers: asked again (it failed longest ago) until the join's
