@@ -544,9 +544,10 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
     """Fixed routing keeps a replica's samples in its own pipeline: its stages are a fault
     domain of their own (a process group per replica), stage s of each replica exchanges with
     stage s of its partners, and a respawned replica's stages all take their state from the
-    donor's same stages at one step. Ctrl-C stops the stages at once; ``--resume`` continues
-    each replica from the newest step all its stages saved, and the run ends bit for bit as
-    the static one (which an uncut elastic run equals)."""
+    donor's same stages at one step. On Ctrl-C a replica's stages agree on a step and save it
+    (no step is redone); ``--resume`` continues each replica from the step all its stages
+    saved, and the run ends bit for bit as the static one (which an uncut elastic run
+    equals)."""
     two = [*RUN, "--replicas", "2"]  # 2 replicas x 2 stages: 4 workers (the last flag wins)
     runs = {"static": tmp_path / "static", "elastic": tmp_path / "elastic"}
     args = ["--data", str(corpus), *two, *STAGES, "--method", "noloco", "--steps", "40"]
@@ -567,8 +568,12 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
     finally:
         proc.kill()
     assert proc.returncode == 128 + signal.SIGINT, err
-    assert "pipeline stages stop at once" in err and "--resume" in err, err
-    saved = {int(q): st for q, st in summary(runs["elastic"])["elastic"]["saved_steps"].items()}
+    assert "--resume" in err and "stopped past its checkpoint" not in err, err
+    stopped = summary(runs["elastic"])["elastic"]
+    saved = {int(q): st for q, st in stopped["saved_steps"].items()}
+    # Each replica stopped at the step its stages agreed on and saved (the periodic
+    # checkpoints are 10 apart: stopping at once, the stages would have saved less).
+    assert saved == {int(q): st for q, st in stopped["reached_steps"].items()}, stopped
     assert sorted(saved) == [0, 1] and all(10 <= st < 40 for st in saved.values()), saved
     r = cli("train", "--resume", str(runs["elastic"]))
     assert r.returncode == 0, r.stderr

@@ -291,6 +291,54 @@ def test_a_staged_joiner_whose_donor_does_not_answer_asks_another(store, capfd):
         capfd.readouterr().err
 
 
+def serves(store, donor: int, n: int, step: int) -> threading.Thread:
+    """Donor ``donor``'s stage 0 answering its ``n``-th join request (between two of its
+    steps) with the step its stages serve at, once the request is there."""
+
+    def answer() -> None:
+        own = client(store)
+        deadline = time.monotonic() + 10
+        while own.add(join_key(donor), 0) < n or not own.check([f"{join_key(donor)}/{n}"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        own.compare_set(f"{join_key(donor)}/serve/{n}", "", json.dumps({"step": step}))
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(30)
+def test_a_staged_transfer_that_breaks_is_taken_again_whole_from_another_donor(store, capfd):
+    """Donor 5 serves, but its stage 1's transfer breaks (it died in the middle): stage 0,
+    whose own transfer went through, does not adopt it either — a replica's stages hold one
+    step's state — and stage 0 asks donor 6, from which every stage takes its part. Before,
+    the joiner's start failed (a respawn spent, or none left)."""
+    publish(store, 5, 6)
+    answers = [serves(store, 5, 1, 9), serves(store, 6, 1, 11)]
+    stages = [staged_joiner(store, s) for s in range(2)]
+    adopted: list = [[], []]
+    for s, joiner in enumerate(stages):
+        def receive(tag, donor, joiner=joiner, s=s):
+            joiner.taken.append(tag)
+            if donor == 5 and s == 1:
+                raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+            return {"donor": donor}, 1
+
+        joiner._receive_state = receive
+        joiner._adopt = lambda state, own, new_life=False, s=s: adopted[s].append(state)
+    got = join_stages(stages)
+    for a in answers:
+        a.join()
+    assert got == [True, True]
+    assert [s.taken for s in stages] == [[f"{join_key(d)}/1/s{s}" for d in (5, 6)]
+                                         for s in range(2)]
+    assert adopted == [[{"donor": 6}], [{"donor": 6}]]
+    assert [(j["from"], j["stage"]) for s in stages for j in s.joins] == [(6, 0), (6, 1)]
+    assert "replica 5 broke off the transfer of its state (stage 1: Connection closed by " \
+        "peer" in capfd.readouterr().err
+
+
 @pytest.mark.slow("waits out the join's deadline, 10 x a 0.3 s --peer-timeout")
 @pytest.mark.timeout(30)
 def test_a_staged_joiner_whose_only_donor_never_answers_gives_up_at_its_deadline(store):

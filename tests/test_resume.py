@@ -105,8 +105,8 @@ def test_resume_refuses_what_would_change_the_run(finished, capfd, argv, msg):
 
 
 def test_an_elastic_replica_resumes_from_the_newest_step_all_its_stages_hold(tmp_path):
-    """Pipeline stages stop at once (no agreed step): a replica continues from the newest
-    step every one of its stages saved whole; none in common, none."""
+    """A replica continues from the newest step every one of its stages saved whole (its
+    stages stopped at once, finding no step to agree on: apart); none in common, none."""
     from noloco.elastic.files import newest_checkpoints, replica_checkpoints
 
     held = {(0, 0): [10, 20, 30], (0, 1): [10, 20], (1, 0): [10], (1, 1): [20]}

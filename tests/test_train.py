@@ -134,12 +134,41 @@ def _worker(store, rank: int, step: int):
     from types import SimpleNamespace
 
     from noloco.distributed import Layout
-    from noloco.train import Trainer
 
     me = SimpleNamespace(state=SimpleNamespace(step=step), lay=Layout(world=2, replicas=2),
-                         ctx=SimpleNamespace(store=store, attempt=0))
+                         ctx=SimpleNamespace(store=store, attempt=0), elastic=None)
     me.lay = SimpleNamespace(world=2, rank=rank)
+    return _bound(me)
+
+
+def _bound(me):
+    from noloco.train import Trainer
+
+    me.stop_board = lambda: Trainer.stop_board(me)
+    me._agree_on = lambda board, abandon: Trainer._agree_on(me, board, abandon)
     return lambda **kw: Trainer.agree_stop_step(me, **kw)
+
+
+def _elastic_stage(store, stage: int, step: int, incarnation: int = 0, stages: int = 2):
+    """Pipeline stage ``stage`` of elastic replica 3, at ``step``: its stop board is its
+    ElasticReplica's, in the run's store."""
+    from types import SimpleNamespace
+
+    from noloco.elastic.worker import ElasticReplica
+
+    lay = SimpleNamespace(replica=3, stage=stage, stages=stages)
+    elastic = ElasticReplica(SimpleNamespace(store=store, incarnation=incarnation))
+    me = SimpleNamespace(state=SimpleNamespace(step=step), lay=lay, elastic=elastic,
+                         ctx=SimpleNamespace(store=None, attempt=incarnation))
+    elastic.trainer = me
+    return _bound(me)
+
+
+class _CutStore(_Store):
+    def check(self, keys):
+        import torch.distributed as dist
+
+        raise dist.DistStoreError("wait timeout after 1000ms")
 
 
 def test_stop_agreement_the_largest_step_or_abandoned_for_everyone(monkeypatch):
@@ -163,6 +192,28 @@ def test_stop_agreement_the_largest_step_or_abandoned_for_everyone(monkeypatch):
     a, b = _worker(store, 0, 7), _worker(store, 1, 9)
     a(), b()
     assert a(abandon=True) == 9  # fixed already: giving up comes too late to change it
+
+
+def test_an_elastic_replicas_stages_agree_on_their_stop_step_in_the_runs_store(monkeypatch):
+    """An elastic replica's pipeline stages stop at one step (each step passes through all
+    of them), agreed under the replica's incarnation in the run's store; a replica of one
+    stage stops where it is, alone; a store out of reach gives no answer yet (a stage that
+    abandoned alone would leave the others training into a step it never takes)."""
+    import noloco.train as train_mod
+    from noloco.elastic.keys import stop_key
+
+    monkeypatch.setattr(train_mod, "STOP_PAUSE_SECONDS", 0.0)
+    store = _Store()
+    a, b = _elastic_stage(store, 0, 12), _elastic_stage(store, 1, 11)
+    assert b() is None  # stage 0 has not posted: stage 1 posts 12 and takes one more step
+    assert a() == 12 and b() == 12
+    assert set(store.kv) == {stop_key(3, 0)}
+    assert _elastic_stage(store, 0, 30, incarnation=1)() is None  # a respawn agrees anew
+    assert _elastic_stage(store, 0, 17, stages=1)() == 17  # alone: where it is
+    assert set(store.kv) == {stop_key(3, 0), stop_key(3, 1)}
+    # Out of reach: not known yet (asked again at the next boundary), never abandoned alone.
+    assert _elastic_stage(_CutStore(), 1, 11)() is None
+    assert _elastic_stage(_CutStore(), 1, 11)(abandon=True) is None
 
 
 @pytest.mark.timeout(240)

@@ -273,7 +273,8 @@ the top, its ``bytes_sent`` the replicas' sum and its ``sync_seconds`` their max
 ELASTIC_KEYS = ("peer_timeout", "replicas_finished", "steps_per_replica", "partial_operations",
                 "retries", "longest_wait_seconds", "arrival_seconds_per_replica", "events",
                 "payload_mac", "mac_bytes_per_replica", "partitions", "unreachable_operations",
-                "store_restarts", "run_id", "joins", "saved_steps", "store")
+                "store_restarts", "run_id", "joins", "saved_steps", "reached_steps",
+                "store")
 """what only an elastic run has: the keys of its summary's ``elastic`` section"""
 
 

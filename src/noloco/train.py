@@ -10,6 +10,7 @@ Floor 3 of docs/architecture.md: one worker's training, and the models of runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -58,6 +59,22 @@ STOP_AGREE_MAX_SECONDS = 20.0
 """and never longer: torchrun kills a worker 30 s after it asked it to stop"""
 ABANDONED = -1
 """the stop step of workers that could not agree on one: stop at once"""
+
+
+@dataclass(frozen=True)
+class StopBoard:
+    """Where the workers that must stop at one step agree on it (:meth:`Trainer.agree_stop_step`):
+    a store key they all post to. A static run's workers, all of them (its store); an elastic
+    replica's pipeline stages (the run's store; the replicas themselves stop alone)."""
+
+    store: Any
+    key: str
+    members: int
+    me: int
+    """this worker's index among the ``members``; 0 speaks for them"""
+    unreachable: tuple[type[BaseException], ...] = ()
+    """what a store request raises when the store is out of reach (a partition): no answer
+    yet, as while a member has not posted"""
 STEADY_AFTER_STEPS = 3
 """steps of a process before its steady rate is measured (``summary.json``'s
 ``steady_tokens_per_second``, and the GPU's MFU): the first compile the model under
@@ -198,6 +215,10 @@ class Elastic(Protocol):
 
     def end(self, rec: dict[str, Any]) -> dict[str, Any]:
         """After the final evaluation ``rec``: the replica's own weights and summary."""
+
+    def stop_board(self) -> StopBoard | None:
+        """Where this replica's stages agree on the step they stop at after a signal; None:
+        it stops alone (one stage)."""
 
 
 class Trainer:
@@ -516,14 +537,13 @@ class Trainer:
         # A stop waits for the step boundary, where a checkpoint holds the whole state: alone,
         # or under a launcher that signals every worker, ours or torchrun (the workers agree
         # on the step in its store). Elsewhere a signal may reach some workers only.
-        # An elastic replica of one stage stops alone: it saves its own step (no agreement;
-        # a resume takes each replica's own newest checkpoint).
+        # An elastic replica stops on its own: it saves its own step (a resume takes each
+        # replica's own newest checkpoint); its pipeline stages agree on that step (the
+        # launcher signals every one).
         elastic = self.elastic is not None
-        self.status.graceful = (elastic and lay.stages == 1) or (
-            not elastic and (
-                lay.world == 1 or (self.ctx.store is not None
-                                   and (self.status.spec.supervised
-                                        or "TORCHELASTIC_RUN_ID" in os.environ))))
+        self.status.graceful = elastic or lay.world == 1 or (
+            self.ctx.store is not None
+            and (self.status.spec.supervised or "TORCHELASTIC_RUN_ID" in os.environ))
         self.t_loop = time.perf_counter()
         comm, method, inner, runner = self.comm, self.method, self.inner, self.runner
         if self.resumed_from is None:
@@ -610,22 +630,42 @@ class Trainer:
         self.status.graceful = False
         return self.end(log)
 
+    def stop_board(self) -> StopBoard | None:
+        """Where this worker agrees with others on its stop step; None: it stops alone."""
+        if self.elastic is not None:
+            return self.elastic.stop_board()
+        if self.lay.world == 1 or self.ctx.store is None:
+            return None
+        return StopBoard(self.ctx.store, f"noloco/stop/{self.ctx.attempt}", self.lay.world,
+                         self.lay.rank)
+
     def agree_stop_step(self, abandon: bool = False) -> int | None:
         """The step every worker stops at after a SIGINT/SIGTERM, or None while not all of
         them have said how far they are (call again at the next step boundary). ``abandon``:
         fix it as :data:`ABANDONED` (stop at once, no checkpoint) unless it is fixed already.
 
-        Every worker posts the step it is at into one store key (a compare-and-set, so the
-        posts and the decision are in one order). The post that completes the set fixes the
-        stop step: the largest posted. A worker waits a little at its boundary for the others;
-        past that it posts the next step *before* taking it, so no worker is ever beyond a
-        step it posted, and none can pass the stop step. Those behind train up to it: every
-        collective they still need, the workers ahead of them have already entered."""
-        step = self.state.step
-        store = self.ctx.store
-        if self.lay.world == 1 or store is None:
-            return step
-        key = f"noloco/stop/{self.ctx.attempt}"
+        Every worker of the board (:meth:`stop_board`) posts the step it is at into one store
+        key (a compare-and-set, so the posts and the decision are in one order). The post that
+        completes the set fixes the stop step: the largest posted. A worker waits a little at
+        its boundary for the others; past that it posts the next step *before* taking it, so
+        no worker is ever beyond a step it posted, and none can pass the stop step. Those
+        behind train up to it: every collective they still need, the workers ahead of them
+        have already entered (an elastic replica's operations with other replicas wait for
+        nobody that stopped). A store out of reach at the moment answers None (not known
+        yet): asked again at the next boundary, on a renewed connection. A worker that
+        cannot post abandons nothing alone — the others would train on into a step it never
+        takes — so where the store stays out of reach, none agrees, and the launcher's
+        second signal stops them all at once."""
+        board = self.stop_board()
+        if board is None:
+            return self.state.step
+        try:
+            return self._agree_on(board, abandon)
+        except board.unreachable:
+            return None
+
+    def _agree_on(self, board: StopBoard, abandon: bool) -> int | None:
+        step, store, key = self.state.step, board.store, board.key
 
         def post(at: int | None) -> int | None:
             while True:
@@ -638,8 +678,8 @@ class Trainer:
                 elif at is None:
                     return None
                 else:
-                    posts[str(self.lay.rank)] = at
-                if not abandon and len(posts) == self.lay.world:
+                    posts[str(board.me)] = at
+                if not abandon and len(posts) == board.members:
                     posts["stop_at"] = max(posts.values())
                 new = json.dumps(posts).encode()
                 if store.compare_set(key, raw.decode(), new.decode()) == new:
@@ -663,17 +703,18 @@ class Trainer:
             if self.ckpt.saved_step != st.step:  # else this step's own is being written
                 self.ckpt.save(st.step, self.capture())
             self.ckpt.wait()
-            store = self.ctx.store
-            if self.lay.world > 1 and store is not None:
-                # Rank 0 speaks for the run (under torchrun): its line advises the resume only
-                # once every worker's checkpoint of this step is complete, not while one is
-                # still being written or trained up to.
-                key = f"noloco/stop/{self.ctx.attempt}/saved"
-                store.add(key, 1)
-                deadline = time.monotonic() + STOP_AGREE_MAX_SECONDS
-                while (self.lay.rank == 0 and int(store.add(key, 0)) < self.lay.world
-                       and time.monotonic() < deadline):
-                    time.sleep(0.05)
+            board = self.stop_board()
+            if board is not None:
+                # The first member speaks for the others (rank 0 under torchrun): its line
+                # advises the resume only once every member's checkpoint of this step is
+                # complete, not while one is still being written or trained up to.
+                key = f"{board.key}/saved"
+                with contextlib.suppress(*board.unreachable):
+                    board.store.add(key, 1)
+                    deadline = time.monotonic() + STOP_AGREE_MAX_SECONDS
+                    while (board.me == 0 and int(board.store.add(key, 0)) < board.members
+                           and time.monotonic() < deadline):
+                        time.sleep(0.05)
         raise Interrupted(self.status.stop_signal or 2)
 
     def end(self, log: Progress) -> dict[str, Any] | None:

@@ -249,13 +249,12 @@ class ElasticCommunicator(Communicator):
         it (the stages of a replica share it). One round trip when it is fixed already; the
         writer reads the eligible replicas first (:meth:`Membership.eligible`)."""
         self._reachable()
-        if self._store_generation() != self._generation:
-            # A new epoch seen first here (the connection renewed just now, between the
-            # trainer's look and this operation): this snapshot is the epoch's first. Fixed
-            # at once, the others not yet registered again, this replica would step alone an
-            # operation they skipped while the store was down — slow weights apart for good
-            # (a CI failure of the library's coordinator-restart test).
-            self.new_epoch()
+        # A new epoch seen first here (the connection renewed just now, between the trainer's
+        # look and this operation): this snapshot is the epoch's first. Fixed at once, the
+        # others not yet registered again, this replica would step alone an operation they
+        # skipped while the store was down — slow weights apart for good (a CI failure of
+        # the library's coordinator-restart test).
+        self.epoch_check()
         key = snapshot_key(self.calls)
         got = probe(self.store, key)
         if got is None:
@@ -327,12 +326,17 @@ class ElasticCommunicator(Communicator):
         self._marked = False
         self._seen = None  # a join moved the step: the pace is measured afresh
 
-    def new_epoch(self) -> None:
-        """The store restarted empty: the keys this replica owned went with it, and the
-        epoch's first snapshot waits for the others to regroup (:meth:`_await_regroup`)."""
+    def epoch_check(self) -> bool:
+        """Whether the store restarted empty (a new epoch) since this replica last looked;
+        if so, enter it: the keys this replica owned went with the old store, and the epoch's
+        first snapshot waits for the others to regroup (:meth:`_await_regroup`). The trainer
+        looks at each step boundary, and each snapshot looks again."""
+        if self._store_generation() == self._generation:
+            return False  # (once entered, the epoch is not reported again)
         self._generation = self._store_generation()
         self._owned.clear()
         self._regroup = set(self._last_snapshot)
+        return True
 
     def _store_generation(self) -> int:
         ns = getattr(self.m, "ns", None)

@@ -296,13 +296,15 @@ class Joiner:
         m.info.update(outer=self.trainer.method.outer_steps,
                       blocked=round(self.trainer.comm.sync_seconds, 2),
                       joins=sum(j.get("kind") in ("joined", "healed") for j in self.joins))
+        # The store restarted empty (a new epoch)? Before anything else (the partition check
+        # below may use the store): the next snapshot, wherever this replica stands, is the
+        # epoch's first and waits for the others to regroup. The communicator may have
+        # entered the epoch first, at a snapshot: the join counters are reset here either way
+        # — what this replica counted in the old epoch is gone with it.
+        self.trainer.comm.epoch_check()
         if m.ns is not None and m.ns.generation != self.generation:
-            # The store restarted empty (a new epoch): what this replica counted in the old
-            # one is gone with it. Before anything else: the next snapshot, wherever this
-            # replica stands, is the epoch's first and waits for the others to regroup.
             self.generation = m.ns.generation
             self.served = self.next_serve = 0
-            self.trainer.comm.new_epoch()
         if not self.partition_check():
             return  # cut off (nobody to heal from, nobody can ask: the others see it dead),
             # or not re-aligned yet
@@ -676,23 +678,25 @@ class Joiner:
             got = await_value(store, serve, 3 * peer_timeout)
             if got is None:
                 got = store.compare_set(serve, "", json.dumps({"step": None}))
-            if json.loads(got)["step"] is not None:
-                break
+            t0 = time.perf_counter()
+            if json.loads(got)["step"] is None:
+                why = "did not serve its join request in time"
+            else:
+                taken = self._take_staged(choice, c["donor"], c["n"])
+                if isinstance(taken, tuple):
+                    break
+                why = f"broke off the transfer of its state ({taken})"
+                # A transfer can break late (a stuck donor, up to the transfer's timeout):
+                # time for one more donor's answer, whatever of the join's deadline is left.
+                deadline = max(deadline, time.monotonic() + 3 * peer_timeout)
             if c["donor"] in failed:
                 failed.remove(c["donor"])
             failed.append(c["donor"])
             if lay.stage == 0:
-                print(f"noloco: replica {lay.replica}: replica {c['donor']} did not serve its "
-                      f"join request in time; asking another", file=sys.stderr, flush=True)
+                print(f"noloco: replica {lay.replica}: replica {c['donor']} {why}; asking "
+                      f"another", file=sys.stderr, flush=True)
             time.sleep(0.2)  # (one that refuses at once is not asked again in a tight loop)
-        tag = f"{join_key(c['donor'])}/{c['n']}/s{lay.stage}"
-        t0 = time.perf_counter()
-        try:
-            state, nbytes = self._receive_state(tag, c["donor"])
-        except RuntimeError as e:  # the donor died or finished first: this start fails
-            raise CommError(f"replica {lay.replica} stage {lay.stage} could not take its state "
-                            f"from replica {c['donor']} ({str(e).splitlines()[0][:120]})"
-                            ) from None
+        state, nbytes = taken
         self._adopt(state, own, new_life=True)
         self.joins.append({"kind": "joined", "replica": lay.replica, "from": c["donor"],
                            "stage": lay.stage,
@@ -704,6 +708,36 @@ class Joiner:
                   f"with the "
                   f"state of replica {c['donor']}", file=sys.stderr, flush=True)
         return True
+
+    def _take_staged(self, choice: str, donor: int, n: int
+                     ) -> tuple[dict[str, Any], int] | str:
+        """This stage's part of join request ``n`` to ``donor``: the donor's same stage's
+        state and its bytes once every stage of this replica took its own part, else why
+        one did not (its transfer broke: the donor died, or sent a bad state) — then none
+        adopts its part and stage 0 asks another donor, as for one that did not serve: a
+        replica's stages must hold one step's state."""
+        store, lay = self.membership.store, self.trainer.lay
+        tag = f"{join_key(donor)}/{n}/s{lay.stage}"
+        try:
+            state, nbytes = self._receive_state(tag, donor)
+            error = None
+        except RuntimeError as e:  # BadState too
+            state, nbytes = {}, 0
+            error = f"stage {lay.stage}: {str(e).splitlines()[0][:120] or type(e).__name__}"
+        store.set(f"{choice}/took/{lay.stage}", json.dumps({"error": error}))
+        errors = []
+        for stage in range(lay.stages):
+            # A stage's transfer ends within about the transfer's timeout, whichever way it
+            # ends (its rendezvous and its receives are timed apart: twice, to be safe).
+            got = await_value(store, f"{choice}/took/{stage}", 2 * self._transfer_timeout()
+                              + self.trainer.cfg.method.peer_timeout)
+            if got is None:  # that stage's process is gone: the replica's start fails
+                raise CommError(f"replica {lay.replica} stage {lay.stage}: its stage {stage} "
+                                f"did not say whether it took its state from replica "
+                                f"{donor}")
+            if json.loads(got)["error"] is not None:
+                errors.append(json.loads(got)["error"])
+        return "; ".join(errors) if errors else (state, nbytes)
 
     def _choose_staged(self, choice: str, deadline: float, failed: list[int]) -> None:
         """Stage 0 of a joiner with stages: pick the donor (one that has not failed this join

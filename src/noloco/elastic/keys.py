@@ -56,6 +56,12 @@ def starts_key(replica: int, stage: int = 0) -> str:
     return f"{PREFIX}/starts/{replica}/{stage}"
 
 
+def stop_key(replica: int, incarnation: int) -> str:
+    """JSON: the steps a replica's pipeline stages are at after a stop signal, and the step
+    they stop at once every stage posted (:meth:`noloco.train.Trainer.agree_stop_step`)."""
+    return f"{PREFIX}/stop/{replica}/{incarnation}"
+
+
 def live_key() -> str:
     """The live set, published by the store host's :class:`~noloco.elastic.membership.Monitor`
     (JSON: replica → its stage 0's newest heartbeat, for every replica judged alive)."""

@@ -177,15 +177,15 @@ class ElasticRun:
     # ---- a stop signal ----------------------------------------------------------------------
     def interrupted(self, sup: Supervisor) -> int:
         assert sup.signum is not None
-        # Each replica (of one stage) saves the step it is at and stops. A replica inside an
-        # operation finishes it first: it may wait --peer-timeout for a partner that stopped
-        # before it. Pipeline stages stop at once (they would have to agree on a step): a
-        # resume continues from the newest step all of a replica's stages saved.
-        sup._stop_all(graceful=self.stages == 1,
-                      grace=STOP_SECONDS + sup.cfg.method.peer_timeout)
+        # Each replica saves the step it is at and stops; its pipeline stages agree on that
+        # step first (Trainer.agree_stop_step). A replica inside an operation finishes it
+        # first: it may wait --peer-timeout for a partner that stopped before it. A resume
+        # continues from the newest step all of a replica's stages saved.
+        sup._stop_all(graceful=True, grace=STOP_SECONDS + sup.cfg.method.peer_timeout)
         if all(p.poll() == 0 for p in sup.procs.values()):
             return self.finished(sup, set(self.local), set())  # every one ended first
-        step = max((self._step(r) for r in self.local), default=0)
+        reached = {r: self._step(r) for r in self.local}
+        step = max(reached.values(), default=0)
         saved = newest_checkpoints(self.out, self.local, self.stages)
         # Where the run stands in its store now: a resume opens the next epoch, unless
         # another machine of the run did first or the run trains on elsewhere
@@ -195,13 +195,18 @@ class ElasticRun:
                                             exit_code=128 + sup.signum,
                                             failures=sup.failures,
                                             elastic={"saved_steps": saved,
+                                                     "reached_steps": reached,
                                                      "store": self._store_now()})
         name = signal.Signals(sup.signum).name
         if any(s is not None for s in saved.values()):
             at = ", ".join(f"replica {r} at step {s}" for r, s in saved.items()
                            if s is not None)
-            redo = (" (pipeline stages stop at once: the resume redoes the steps after)"
-                    if self.stages > 1 else "")
+            # A replica stopped beyond its save: it stopped at once (its stages found no
+            # step to agree on in time: the store out of reach, a stage hung).
+            behind = [r for r, s in saved.items() if s is not None and s < reached[r]]
+            redo = (f" (replica{'s' if len(behind) > 1 else ''} "
+                    f"{', '.join(map(str, behind))} stopped past its checkpoint: the resume "
+                    f"redoes the steps after)" if behind else "")
             print(f"noloco: stopped by {name}; saved {at}{redo}; continue with: noloco "
                   f"train --resume {self.out}", file=sys.stderr, flush=True)
         else:

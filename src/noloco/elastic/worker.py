@@ -41,11 +41,12 @@ from noloco.elastic.deadline import (
     Namespace,
     open_store_patiently,
     request_deadline,
+    store_errors,
     wait_reachable,
 )
 from noloco.elastic.files import replica_metrics, replica_summary
 from noloco.elastic.join import Joiner, NoDonor
-from noloco.elastic.keys import PREFIX, starts_key
+from noloco.elastic.keys import PREFIX, starts_key, stop_key
 from noloco.elastic.membership import Membership
 from noloco.errors import Interrupted
 from noloco.integrity import Sealer, payload_key
@@ -53,7 +54,7 @@ from noloco.metrics import Progress, shared_summary
 from noloco.rundir import RunDir, append_line, read_jsonl, write_json_atomic
 from noloco.spec import WorkerSpec
 from noloco.staging import HostStaged
-from noloco.train import AVERAGED_METHODS, Trainer
+from noloco.train import AVERAGED_METHODS, StopBoard, Trainer
 
 
 class ElasticReplica(Joiner):
@@ -79,6 +80,17 @@ class ElasticReplica(Joiner):
         if device.type == "cuda" or staged:
             return HostStaged(comm, device), NullCommunicator()
         return comm, NullCommunicator()
+
+    def stop_board(self) -> StopBoard | None:
+        """A replica's pipeline stages stop at one step after a signal (they cannot train
+        apart: each step passes through all of them), agreed in the run's store under the
+        replica's incarnation (a respawned replica's stages agree anew). A replica itself
+        stops alone: its operations with the others wait for nobody that stopped."""
+        lay, m = self.trainer.lay, self.membership
+        if lay.stages == 1:
+            return None
+        return StopBoard(m.store, stop_key(lay.replica, m.incarnation), lay.stages,
+                         lay.stage, store_errors())
 
     @property
     def metrics_file(self) -> Path:
