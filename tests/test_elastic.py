@@ -320,8 +320,8 @@ def test_diloco_survivors_stay_identical_after_a_death(tmp_path, corpus):
     (["--method", "ddp", "--elastic"],
      "--elastic applies to noloco, diloco, streaming and sparseloco"),
     (["--method", "noloco", "--elastic", "--stages", "2"], "needs --routing fixed"),
-    (["--method", "diloco", "--elastic", "--stages", "2", "--routing", "fixed"],
-     "supports --method noloco only"),
+    (["--method", "streaming", "--elastic", "--stages", "2", "--routing", "fixed"],
+     "supports --method noloco and diloco, not streaming"),
     (["--method", "noloco", "--respawn", "1"], "--respawn needs --elastic"),
     (["--method", "noloco", "--elastic", "--peer-timeout", "0"], "--peer-timeout must be > 0"),
 ])
@@ -611,6 +611,54 @@ def test_with_pipeline_stages_elastic_equals_static_and_a_replica_rejoins(tmp_pa
         assert donated[st]["checksum"] == joined[st]["checksum"]
     assert max(k["elastic"]["longest_wait_seconds"].values()) < TIMEOUT + 1.5
     assert all(math.isfinite(v) for v in k["final_val_loss_per_replica"].values())
+
+
+@pytest.mark.slow("elastic worker processes in pipeline stages")
+@pytest.mark.timeout(300)
+def test_diloco_with_pipeline_stages_elastic_equals_static_and_its_stages_heal_together(
+        tmp_path, corpus):
+    """DiLoCo, 3 replicas x 2 stages under fixed routing: without failures the elastic run is
+    the static one bit for bit. A replica whose stages hang past --peer-timeout is left out
+    of an all-reduce (its slow weights are no longer the others'): its stages find that
+    together at the next step boundary and heal together, stage by stage from one donor at
+    one step (checksums equal), and every replica ends with the same weights. A replica
+    killed and respawned joins the same way."""
+    args = ["--data", str(corpus), *RUN, "--replicas", "3", *STAGES, "--method", "diloco"]
+    runs = {k: tmp_path / k for k in ("static", "elastic", "hung", "killed")}
+    for name, extra in (("static", []), ("elastic", ["--elastic"])):
+        r = cli("train", *args, "--steps", "40", *extra, "--out", str(runs[name]))
+        assert r.returncode == 0, r.stderr
+    a, b = weights(runs["static"]), weights(runs["elastic"])
+    assert set(a) == set(b) and "replica-2.stage-1.safetensors" in b
+    for name in a:
+        if name.startswith("replica-"):
+            assert all(torch.equal(a[name][k], b[name][k]) for k in a[name]), name
+    assert summary(runs["elastic"])["bytes_sent_per_replica"] == \
+        summary(runs["static"])["bytes_sent_per_replica"]
+
+    paced = "pace:0:0.1,pace:1:0.1,pace:2:0.1"  # the others still train when it comes back
+    for name, fault in (("hung", f"hang:1@15:{TIMEOUT + 2}"), ("killed", "kill:1@35")):
+        r = cli("train", *args, "--steps", "100", "--elastic", "--respawn", "1",
+                "--inject-fault", f"{fault},{paced}", "--out", str(runs[name]))
+        assert r.returncode == 0, r.stderr
+        s = summary(runs[name])
+        kind = "healed" if name == "hung" else "joined"
+        took = {j["stage"]: j for j in s["elastic"]["joins"] if j.get("kind") == kind}
+        gave = {j["stage"]: j for j in s["elastic"]["joins"] if j.get("kind") == "donated"}
+        assert set(took) == set(gave) == {0, 1}, s["elastic"]["joins"]
+        assert {j["replica"] for j in took.values()} == {1}
+        assert len({j["from"] for j in took.values()}) == 1  # one donor for both stages
+        assert len({j["step"] for j in [*took.values(), *gave.values()]}) == 1  # one step
+        for st in (0, 1):
+            assert took[st]["checksum"] == gave[st]["checksum"]
+        if name == "hung":
+            assert all(j["step_before"] < j["step"] for j in took.values())
+            assert not s["failures"]
+        assert s["elastic"]["replicas_finished"] == [0, 1, 2]
+        w = weights(runs[name])
+        for st in (0, 1):  # the last all-reduce left every replica's weights the same
+            mine = [w[f"replica-{q}.stage-{st}.safetensors"] for q in range(3)]
+            assert all(torch.equal(m[k], mine[0][k]) for m in mine[1:] for k in m), (name, st)
 
 
 def test_a_store_that_goes_away_is_one_line_not_a_traceback():

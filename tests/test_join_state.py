@@ -17,7 +17,7 @@ import torch
 from noloco.comm import NullCommunicator
 from noloco.config import Config, MethodConfig
 from noloco.elastic.join import Joiner, join_streams
-from noloco.elastic.keys import heartbeat_key, join_key, join_seen_key
+from noloco.elastic.keys import PREFIX, heartbeat_key, join_key, join_seen_key
 from noloco.methods import build_method
 
 
@@ -337,6 +337,35 @@ def test_a_staged_transfer_that_breaks_is_taken_again_whole_from_another_donor(s
     assert [(j["from"], j["stage"]) for s in stages for j in s.joins] == [(6, 0), (6, 1)]
     assert "replica 5 broke off the transfer of its state (stage 1: Connection closed by " \
         "peer" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(30)
+def test_a_staged_heal_whose_donor_does_not_serve_is_tried_again_not_given_up(store):
+    """Stages healing together (DiLoCo: a stage behind an all-reduce) whose only donor does
+    not serve within the heal's time: every stage learns from the one choice that the heal
+    is to be tried again at the next boundary (None) — not that nobody is there to heal from
+    (False), which would keep slow weights apart from the run's for good."""
+    publish(store, 5)
+    stages = [staged_joiner(store, s) for s in range(2)]
+    got: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            got[i] = stages[i]._join_staged(None, heal=(None, 3))
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            got[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert got == [None, None]
+    assert [s.taken for s in stages] == [[], []] and all(not s.joins for s in stages)
+    heal_choice = f"{PREFIX}/joinchoice/0/1/h0"
+    assert json.loads(store.get(heal_choice))["donor"] == 5  # asked first, failed to serve
+    assert json.loads(store.get(f"{heal_choice}/1")) == {"donor": None, "live": [5],
+                                                          "retry": True}
 
 
 @pytest.mark.slow("waits out the join's deadline, 10 x a 0.3 s --peer-timeout")

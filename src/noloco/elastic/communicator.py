@@ -304,7 +304,9 @@ class ElasticCommunicator(Communicator):
         a partner would wait for it (``--peer-timeout``) — it hung — catches up by taking a
         live replica's state (it is ``behind``; :meth:`back` after): else it would be left
         out again at every operation. Otherwise it is back now: new snapshots hold it. (With
-        pipeline stages a replica only ever takes a state as it starts, so it is back.)"""
+        pipeline stages a replica takes a state only with all its stages — as it starts, or
+        an all-reduce method's stages together when one is behind an all-reduce
+        (:meth:`noloco.elastic.join.Joiner._stages_heal_together`) — so here it is back.)"""
         self._marked = True
         if self.m.stages == 1 and self.behind_by() > self.peer_timeout:
             self.behind, self.unsure = True, False

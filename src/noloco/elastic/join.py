@@ -105,6 +105,13 @@ class Joiner:
         self.next_serve = 0
         self.generation = 0
         """the store's epochs this replica moved through (its join counters are the epoch's)"""
+        self.synced_calls = 0
+        """with pipeline stages and an all-reduce method: the operations up to which this
+        replica's stages compared their standing (:meth:`_stages_heal_together`)"""
+        self.heal_pending = False
+        """a stage is behind, but not every stage could heal yet (cut off, not re-aligned)"""
+        self.staged_heals = 0
+        """heals this incarnation's stages made together (each heal's choice key is its own)"""
 
     def attach(self, trainer: Trainer) -> None:
         """The trainer, built: from here this replica counts the join requests it serves."""
@@ -305,14 +312,27 @@ class Joiner:
         if m.ns is not None and m.ns.generation != self.generation:
             self.generation = m.ns.generation
             self.served = self.next_serve = 0
-        if not self.partition_check():
-            return  # cut off (nobody to heal from, nobody can ask: the others see it dead),
-            # or not re-aligned yet
-        if m.broken:
+        # Not through: cut off (nobody to heal from, nobody can ask: the others see it
+        # dead), not re-aligned yet, or its connection not renewed yet.
+        through = self.partition_check()
+        if through and m.broken:
             try:
                 m.renew()
             except Exception:  # noqa: BLE001 - the store is still out of reach: later
-                return
+                through = False
+        if self.trainer.lay.stages > 1:
+            if self.trainer.cfg.method.method != "noloco":
+                self._stages_heal_together(through)
+            # A replica behind (every stage says the same since they compared) donates
+            # nothing: its slow weights are not the run's.
+            if through and not self.trainer.comm.behind:
+                try:
+                    self._serve_staged()
+                except store_errors():  # out of reach: the joiner asks another donor
+                    m.broken = True
+            return
+        if not through:
+            return
         if self.trainer.comm.behind:
             m.nudge()
             try:
@@ -322,13 +342,66 @@ class Joiner:
                 return
             m.behind = self.trainer.comm.behind
             m.nudge()  # healed: eligible for the very next snapshot
-        if self.trainer.lay.stages > 1:
-            try:
-                self._serve_staged()
-            except store_errors():  # out of reach: the joiner asks another donor
-                m.broken = True
-            return
         self._serve_requests()
+
+    def _stages_heal_together(self, through: bool) -> None:
+        """An all-reduce method with pipeline stages: after each operation the replica's
+        stages compare their standing (one small all-reduce in their own process group, at
+        the same step boundary on every stage: each stage counts the same operations), and
+        if any of them is behind — its part of the all-reduce went on without it, so its
+        slow weights are no longer the others' — all of them heal together, at this
+        boundary, from one donor's same stages (:meth:`_join_staged`). Behind but not every
+        stage through (cut off, not re-aligned): they compare again at every boundary until
+        all are. The decision is the same on every stage: whether to heal, and from whom
+        (stage 0 chooses, by the replica's fewest commits where no stage knows whether the
+        others stepped)."""
+        comm, m = self.trainer.comm, self.membership
+        if comm.calls == self.synced_calls and not self.heal_pending:
+            return
+        flags = torch.tensor([int(comm.behind), int(comm.unsure), -comm.commits,
+                              int(not through)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)  # the replica's stages: their own group
+        behind, unsure, fewest, waiting = (bool(flags[0]), bool(flags[1]), -int(flags[2]),
+                                           bool(flags[3]))
+        self.synced_calls = comm.calls
+        # Behind on every stage: none of its stages donates meanwhile (its heartbeat says so).
+        comm.behind, comm.unsure = behind, unsure and behind
+        m.behind = behind
+        self.heal_pending = behind and waiting
+        if not behind or waiting:
+            return
+        m.nudge()
+        resumed_from = self.trainer.resumed_from
+        self.staged_heals += 1
+        got: bool | None
+        try:
+            got = self._join_staged(None, heal=(fewest if unsure else None, fewest))
+        except (*store_errors(), CommError, ConfigError) as e:
+            # Out of reach, or a stage's answer never came (stage 0's choice, a transfer's
+            # outcome): this stage does not know how the heal ended.
+            m.broken = m.broken or isinstance(e, store_errors())
+            got = None
+        # One outcome for every stage: all healed, nobody to heal from (all read the one
+        # choice) — or, where any stage's heal failed (every donor asked failed to serve,
+        # or it does not know), all try again at the next boundary: a stage that took the
+        # donor's state already takes one again then, with the others.
+        codes = [True, False, None]
+        outcome = torch.tensor([codes.index(got)], dtype=torch.int64)
+        dist.all_reduce(outcome, op=dist.ReduceOp.MAX)
+        got = codes[int(outcome)]
+        if got is False:
+            try:
+                self._keep_own_state(unsure)
+            except store_errors():  # decided alike everywhere; its record is what is lost
+                m.broken = True
+                comm.behind = comm.unsure = False
+        self.heal_pending = got is None
+        if got is None:
+            comm.behind = True
+        self.trainer.resumed_from = resumed_from
+        self.synced_calls = comm.calls  # healed: the donor's count, the same on every stage
+        m.behind = comm.behind
+        m.nudge()  # healed: eligible for the very next snapshot
 
     def _serve_requests(self) -> None:
         """Donor side, one stage: send the live state to every joiner that asked since."""
@@ -515,8 +588,8 @@ class Joiner:
         # marked everyone; it clears that at its next step): no donor yet, but one in a
         # moment — going on alone now would keep slow weights apart from the run's. At most
         # twice --peer-timeout: one that waits for the others to move before it steps again
-        # (_realign, ahead after a cut) gives that up after one, then clears its flag. (With
-        # pipeline stages a replica only ever takes a state as it starts.)
+        # (_realign, ahead after a cut) gives that up after one, then clears its flag. (A
+        # replica's pipeline stages heal together instead: _stages_heal_together.)
         deadline = time.monotonic() + 2 * self.trainer.cfg.method.peer_timeout
         while (not donors and self.trainer.lay.stages == 1 and time.monotonic() < deadline
                and self.membership.catching_up(self.trainer.comm.commits)):
@@ -528,19 +601,23 @@ class Joiner:
             self.join(own=None, tries=1, kind="healed", commits_above=above)
             self.trainer.resumed_from = resumed_from
         else:  # nobody to take a state from: this replica's own is the live one
-            comm = self.trainer.comm
-            # Said, with how the others stood (read now): a replica whose slow weights then
-            # differ from the run's shows here why it did not heal.
-            others = self.membership.beats_of(live_replicas(
-                self.membership.store, self.membership.replicas, self.membership.stages))
-            comm.events.append({"call": comm.calls, "step": self.trainer.state.step,
-                                "kind": "own_state", "unsure": unsure,
-                                "commits": comm.commits,
-                                "others": {str(r): {k: b.get(k) for k in
-                                                    ("step", "commits", "behind", "ready")}
-                                           for r, b in sorted(others.items())}})
-            comm.behind = comm.unsure = False
-            comm.back()
+            self._keep_own_state(unsure)
+
+    def _keep_own_state(self, unsure: bool) -> None:
+        """A heal that found nobody to take a state from: this replica's own is the live
+        one. Said, with how the others stood (read now): a replica whose slow weights then
+        differ from the run's shows here why it did not heal."""
+        comm = self.trainer.comm
+        others = self.membership.beats_of(live_replicas(
+            self.membership.store, self.membership.replicas, self.membership.stages))
+        comm.events.append({"call": comm.calls, "step": self.trainer.state.step,
+                            "kind": "own_state", "unsure": unsure,
+                            "commits": comm.commits,
+                            "others": {str(r): {k: b.get(k) for k in
+                                                ("step", "commits", "behind", "ready")}
+                                       for r, b in sorted(others.items())}})
+        comm.behind = comm.unsure = False
+        comm.back()
 
     def join(self, own: dict[str, Any] | None = None, tries: int | None = None,
              kind: str = "joined", commits_above: int | None = None) -> bool:
@@ -643,26 +720,36 @@ class Joiner:
         me = self.trainer.lay.replica
         return not any(r != me for r in live) and self.membership.others_finished()
 
-    def _join_staged(self, own: dict[str, Any] | None) -> bool:
+    def _join_staged(self, own: dict[str, Any] | None,
+                     heal: tuple[int | None, int] | None = None) -> bool | None:
         """Joiner side with pipeline stages: stage 0 picks the donor and asks it; every stage
         takes its state from the donor's same stage (:meth:`_serve_staged`). A donor that does
         not serve the request (dead, stuck, finished since the live set was published) is
         given up by every stage alike — they read the one answer that stands — and stage 0
-        asks another, in the next attempt's choice, until the join's deadline."""
+        asks another, in the next attempt's choice, until the join's deadline.
+
+        ``heal``: (only donors with more commits than this, or None: any; the replica's fewest
+        commits) — every stage heals together (:meth:`_stages_heal_together`), keeping its
+        own inner optimizer and data position; False: nobody to heal from (decided by stage
+        0 at once, or once no replica that stepped still says it is behind); None: every
+        donor asked failed within the heal's time (2 x ``--peer-timeout``): again later."""
         store, lay, m = self.membership.store, self.trainer.lay, self.membership
         peer_timeout = self.trainer.cfg.method.peer_timeout
-        deadline = time.monotonic() + 10 * peer_timeout
+        deadline = time.monotonic() + (2 if heal else 10) * peer_timeout
         failed: list[int] = []
         """donors that did not serve, in order: the next attempt asks another one"""
+        kind = "healed" if heal else "joined"
+        # Each heal of this incarnation's stages has choice keys of its own.
+        base = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}" + (
+            f"/h{self.staged_heals}" if heal else "")
         for attempt in itertools.count():
-            choice = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}" + (
-                f"/{attempt}" if attempt else "")
+            choice = base + (f"/{attempt}" if attempt else "")
             # Stage 0 decides by the deadline; the others give it a peer timeout more (from
             # now, where an answer awaited below ran past it), so none gives up on a choice
             # stage 0 is writing.
             wait_until = max(deadline, time.monotonic()) + peer_timeout
             if lay.stage == 0:
-                self._choose_staged(choice, deadline, failed)
+                self._choose_staged(choice, deadline, failed, heal)
             while not store.check([choice]):
                 if time.monotonic() > wait_until:
                     raise ConfigError(f"replica {lay.replica} stage {lay.stage}: its stage 0 "
@@ -670,6 +757,8 @@ class Joiner:
                 time.sleep(0.05)
             c = json.loads(store.get(choice))
             if c["donor"] is None:
+                if heal:
+                    return None if c.get("retry") else False
                 self._give_up({r: {} for r in c["live"]})
             # The donor's stage 0 answers between two of its steps with the step its stages
             # serve at; one that does not within 3 x --peer-timeout (dead, stuck, finished) is
@@ -697,16 +786,17 @@ class Joiner:
                       f"another", file=sys.stderr, flush=True)
             time.sleep(0.2)  # (one that refuses at once is not asked again in a tight loop)
         state, nbytes = taken
-        self._adopt(state, own, new_life=True)
-        self.joins.append({"kind": "joined", "replica": lay.replica, "from": c["donor"],
-                           "stage": lay.stage,
-                           "step": self.trainer.state.step, "bytes": nbytes,
+        before = self.trainer.state.step
+        self._adopt(state, own, new_life=not heal)
+        self.joins.append({"kind": kind, "replica": lay.replica, "from": c["donor"],
+                           "stage": lay.stage, "step": self.trainer.state.step,
+                           "step_before": before, "bytes": nbytes,
                            "seconds": time.perf_counter() - t0, "checksum": self.checksum(),
-                           "own_checkpoint_step": own.get("step") if own else None})
+                           "own_checkpoint_step": own.get("step") if own else None,
+                           "t": time.time()})
         if lay.stage == 0:
-            print(f"noloco: replica {lay.replica} joined at step {self.trainer.state.step} "
-                  f"with the "
-                  f"state of replica {c['donor']}", file=sys.stderr, flush=True)
+            print(f"noloco: replica {lay.replica} {kind} at step {self.trainer.state.step} "
+                  f"with the state of replica {c['donor']}", file=sys.stderr, flush=True)
         return True
 
     def _take_staged(self, choice: str, donor: int, n: int
@@ -739,14 +829,19 @@ class Joiner:
                 errors.append(json.loads(got)["error"])
         return "; ".join(errors) if errors else (state, nbytes)
 
-    def _choose_staged(self, choice: str, deadline: float, failed: list[int]) -> None:
+    def _choose_staged(self, choice: str, deadline: float, failed: list[int],
+                       heal: tuple[int | None, int] | None = None) -> None:
         """Stage 0 of a joiner with stages: pick the donor (one that has not failed this join
         first, else the one that failed longest ago), ask it, and write the choice every
-        stage reads; by the deadline, with no donor, write that there is none."""
+        stage reads; by the deadline, with no donor, write that there is none. A heal
+        (``heal``, see :meth:`_join_staged`) waits for a donor only while a replica that
+        stepped where this one did not still says it is behind (as :meth:`heal` does)."""
         store, lay, m = self.membership.store, self.trainer.lay, self.membership
+        above = heal[0] if heal else None
         while not (donors := m.donors_among(live := live_replicas(store, m.replicas,
-                                                                  m.stages))):
-            if time.monotonic() > deadline or self._nobody_left(live):
+                                                                  m.stages), above)):
+            if time.monotonic() > deadline or self._nobody_left(live) or (
+                    heal and not m.catching_up(heal[1])):
                 break
             time.sleep(0.2)
         if donors and time.monotonic() <= deadline:
@@ -756,8 +851,10 @@ class Joiner:
             store.set(f"{join_key(donor)}/{n}", self._ask(f"{join_key(donor)}/{n}"))
             store.set(choice, json.dumps({"donor": donor, "n": n}))
         else:  # every stage learns it: they go on from their own checkpoints together
+            # (a heal whose donors failed: they try again later)
             store.set(choice, json.dumps(
-                {"donor": None, "live": sorted(r for r in live if r != lay.replica)}))
+                {"donor": None, "live": sorted(r for r in live if r != lay.replica),
+                 "retry": bool(heal and failed)}))
 
     def _receive_state(self, tag: str, donor: int) -> tuple[dict[str, Any], int]:
         """The donor's live state (:meth:`_send_state` on the other end) and its bytes."""
