@@ -242,13 +242,14 @@ def publish(store, *donors: int) -> None:
         store.set(heartbeat_key(r), json.dumps(b))
 
 
-def join_stages(stages: list[Joiner]) -> list:
-    """Each stage's join, in a thread of its own: its result or the exception it raised."""
+def join_stages(stages: list[Joiner], **kw) -> list:
+    """Each stage's join (``kw``: its heal, if one), in a thread of its own: its result or the
+    exception it raised."""
     got: list = [None] * len(stages)
 
     def run(i: int) -> None:
         try:
-            got[i] = stages[i]._join_staged(None)
+            got[i] = stages[i]._join_staged(None, **kw)
         except Exception as e:  # noqa: BLE001 - the test reads it
             got[i] = e
 
@@ -347,20 +348,7 @@ def test_a_staged_heal_whose_donor_does_not_serve_is_tried_again_not_given_up(st
     (False), which would keep slow weights apart from the run's for good."""
     publish(store, 5)
     stages = [staged_joiner(store, s) for s in range(2)]
-    got: list = [None, None]
-
-    def run(i: int) -> None:
-        try:
-            got[i] = stages[i]._join_staged(None, heal=(None, 3))
-        except Exception as e:  # noqa: BLE001 - the test reads it
-            got[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(20)
-    assert got == [None, None]
+    assert join_stages(stages, heal=(None, 3)) == [None, None]
     assert [s.taken for s in stages] == [[], []] and all(not s.joins for s in stages)
     heal_choice = f"{PREFIX}/joinchoice/0/1/h0"
     assert json.loads(store.get(heal_choice))["donor"] == 5  # asked first, failed to serve
