@@ -356,6 +356,43 @@ def test_a_staged_heal_whose_donor_does_not_serve_is_tried_again_not_given_up(st
                                                           "retry": True}
 
 
+def test_stages_that_healed_together_leave_no_keys_of_the_heal_in_the_store(store):
+    """After a heal of a replica's stages (they compared their standing and took a donor's
+    state together), its choice keys and each stage's outcome are deleted once every stage
+    has read them: the store holds none per heal, however many heals a run makes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    joiner = staged_joiner(store, 0)
+    joiner.trainer.cfg.method.method = "diloco"
+    joiner.trainer.lay.stages = 1  # (a process group of one: the comparison passes alone)
+    joiner.trainer.comm = SimpleNamespace(calls=4, behind=True, unsure=False, commits=2)
+    joiner.trainer.resumed_from = None
+    joiner.membership.nudge = lambda: None
+    keys = [f"{PREFIX}/joinchoice/0/1/h1", f"{PREFIX}/joinchoice/0/1/h1/1"]
+
+    def heal(own, heal):
+        assert heal == (None, 2)
+        joiner.choices = keys
+        for key in keys:
+            store.set(key, "{}")
+            store.set(f"{key}/took/0", "{}")
+        joiner.trainer.comm.behind, joiner.trainer.comm.calls = False, 7  # the donor's
+        return True
+
+    joiner._join_staged = heal
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=20))
+    try:
+        joiner._stages_heal_together(True)
+    finally:
+        dist.destroy_process_group()
+    assert not any(store.check([k]) for key in keys for k in (key, f"{key}/took/0"))
+    assert joiner.synced_calls == 7 and not joiner.heal_pending
+    assert joiner.membership.behind is False
+
+
 @pytest.mark.slow("waits out the join's deadline, 10 x a 0.3 s --peer-timeout")
 @pytest.mark.timeout(30)
 def test_a_staged_joiner_whose_only_donor_never_answers_gives_up_at_its_deadline(store):

@@ -61,8 +61,6 @@ def test_sparse_messages_train_and_are_counted_as_sent(tmp_path, corpus):
     (["--method", "ddp", "--compress", "topk:0.1"], "--compress applies to"),
     (["--method", "streaming", "--quantize", "fp4", "--compress", "topk:0.1"],
      "two encodings"),
-    (["--method", "sparseloco", "--elastic", "--stages", "2", "--routing", "fixed"],
-     "supports --method noloco and diloco, not sparseloco"),
     (["--method", "diloco", "--compress", "topk:0.1:5"], "bits must be one of"),
     (["--method", "diloco", "--compress", "topk:0"], "fraction"),
     (["--method", "sparseloco", "--compress", "topk:2"], "fraction"),

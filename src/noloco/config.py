@@ -217,7 +217,7 @@ class MethodConfig:
     elastic: bool = opt(
         False, "replicas are fault domains: one that dies or stalls is dropped after "
         "--peer-timeout and the others train on (noloco, diloco, streaming, sparseloco; "
-        "stages: noloco and diloco with --routing fixed; docs/elastic.md)", group=FAULTS)
+        "with --stages: --routing fixed; docs/elastic.md)", group=FAULTS)
     update_guard: bool = opt(
         True, "noloco, diloco, streaming: check every update before it is used — a partner's "
         "(noloco) or this replica's own outer gradient (diloco, streaming) must be finite and "
@@ -561,9 +561,6 @@ class Config:
                 raise ConfigError("--elastic with --stages > 1 needs --routing fixed: with "
                                   "random routing activations cross replicas every step, so a "
                                   "replica is not a fault domain (docs/elastic.md)")
-            if m.stages > 1 and m.method not in ("noloco", "diloco"):
-                raise ConfigError(f"--elastic with --stages > 1 supports --method noloco and "
-                                  f"diloco, not {m.method} (docs/elastic.md)")
             if t.max_restarts:
                 raise ConfigError("--elastic replaces --max-restarts (the other replicas go on; "
                                   "use --respawn to restart the dead one)")

@@ -15,6 +15,7 @@ Floor 4 of docs/architecture.md: what an elastic run adds to the trainer.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -112,6 +113,9 @@ class Joiner:
         """a stage is behind, but not every stage could heal yet (cut off, not re-aligned)"""
         self.staged_heals = 0
         """heals this incarnation's stages made together (each heal's choice key is its own)"""
+        self.choices: list[str] = []
+        """the latest staged join's choice keys, one per attempt (a heal's are deleted after
+        it)"""
 
     def attach(self, trainer: Trainer) -> None:
         """The trainer, built: from here this replica counts the join requests it serves."""
@@ -389,6 +393,14 @@ class Joiner:
         outcome = torch.tensor([codes.index(got)], dtype=torch.int64)
         dist.all_reduce(outcome, op=dist.ReduceOp.MAX)
         got = codes[int(outcome)]
+        if self.trainer.lay.stage == 0:
+            # Every stage has read them (they all passed the outcome's all-reduce): the
+            # heal's keys go, so the store holds none per heal, however many a run makes.
+            with contextlib.suppress(*store_errors()):
+                for choice in self.choices:
+                    for key in [choice, *(f"{choice}/took/{st}"
+                                          for st in range(self.trainer.lay.stages))]:
+                        m.store.delete_key(key)
         if got is False:
             try:
                 self._keep_own_state(unsure)
@@ -742,8 +754,10 @@ class Joiner:
         # Each heal of this incarnation's stages has choice keys of its own.
         base = f"{PREFIX}/joinchoice/{lay.replica}/{m.incarnation}" + (
             f"/h{self.staged_heals}" if heal else "")
+        self.choices = []
         for attempt in itertools.count():
             choice = base + (f"/{attempt}" if attempt else "")
+            self.choices.append(choice)
             # Stage 0 decides by the deadline; the others give it a peer timeout more (from
             # now, where an answer awaited below ran past it), so none gives up on a choice
             # stage 0 is writing.
