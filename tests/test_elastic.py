@@ -320,6 +320,12 @@ def test_diloco_survivors_stay_identical_after_a_death(tmp_path, corpus):
     (["--method", "ddp", "--elastic"],
      "--elastic applies to noloco, diloco, streaming and sparseloco"),
     (["--method", "noloco", "--elastic", "--stages", "2"], "needs --routing fixed"),
+    # a stage without a block of some fragment would count other operations than its peers
+    (["--method", "streaming", "--elastic", "--stages", "2", "--routing", "fixed",
+      "--fragments", "2", "--fragment-pattern", "sequential"],
+     "stage 0 holds no block of fragment 1"),
+    (["--method", "noloco", "--elastic", "--stages", "2", "--routing", "fixed",
+      "--fragments", "4", "--sync-every", "100"], "stage 0 holds no block of fragment 2"),
     (["--method", "noloco", "--respawn", "1"], "--respawn needs --elastic"),
     (["--method", "noloco", "--elastic", "--peer-timeout", "0"], "--peer-timeout must be > 0"),
 ])

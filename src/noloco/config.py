@@ -405,7 +405,7 @@ class Config:
         self._validate_numbers()
         self._validate_method(what, n_layers)
         self._validate_train()
-        self._validate_elastic()
+        self._validate_elastic(n_layers)
         self._validate_faults_and_device()
 
     def _validate_basics(self) -> None:
@@ -550,9 +550,27 @@ class Config:
                                   "same ones)")
         _positive("--keep-checkpoints", t.keep_checkpoints)
 
-    def _validate_elastic(self) -> None:
+    def _validate_elastic(self, n_layers: int) -> None:
         """An elastic run's settings, and the flags that need one."""
         m, t = self.method, self.train
+        if m.elastic and m.stages > 1 and m.fragments > 1:
+            # A stage that holds no block of a fragment skips that fragment's operations; the
+            # stages of an elastic replica count their operations alike (they share each
+            # operation's snapshot, and compare their standing after each), so every stage
+            # must hold a block of every fragment.
+            from noloco.split import fragment_of_block, stage_blocks
+
+            fewest = min(len(stage_blocks(n_layers, m.stages, st)) for st in range(m.stages))
+            for stage in range(m.stages):
+                held = {fragment_of_block(b, n_layers, m.fragments, m.fragment_pattern)
+                        for b in stage_blocks(n_layers, m.stages, stage)}
+                if len(held) < m.fragments:
+                    missing = min(set(range(m.fragments)) - held)
+                    raise ConfigError(
+                        f"--elastic with --stages {m.stages} and --fragments {m.fragments}: "
+                        f"stage {stage} holds no block of fragment {missing} "
+                        f"(--fragment-pattern {m.fragment_pattern}); every stage must hold a "
+                        f"block of every fragment (strided, at most {fewest} fragments here)")
         if m.elastic:
             if m.method not in ("noloco", "diloco", "streaming", "sparseloco"):
                 raise ConfigError(f"--elastic applies to noloco, diloco, streaming and "
