@@ -53,6 +53,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def threads() -> int:
+    """The threads one process of a benchmark may use: its cores, at most OMP_NUM_THREADS
+    where that is set (as noloco's own workers count them: something may run beside it)."""
+    cap = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return min(cores(), int(cap)) if cap.isdigit() and int(cap) > 0 else cores()
+
+
 def memory_gib() -> float | None:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from noloco.generate import _Sampler, sample
     from noloco.model import build, preset
 
-    torch.set_num_threads(common.cores())
+    torch.set_num_threads(common.threads())
     t_start = time.perf_counter()
     args = preset(a.preset, vocab_size=257)
     if a.prompt_tokens + a.new_tokens > args.max_seq_len:

@@ -99,7 +99,7 @@ def bare_worker(a: argparse.Namespace) -> dict[str, Any]:
 
     from noloco.model import build, preset
 
-    torch.set_num_threads(common.cores())  # as noloco single: all the cores it may use
+    torch.set_num_threads(common.threads())  # as noloco single: all the cores it may use
     torch.set_num_interop_threads(1)
     if a.data == "builtin":  # the same text noloco reads: its built-in documents, as bytes
         from noloco.data import builtin_documents

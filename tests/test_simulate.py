@@ -221,6 +221,27 @@ def test_attention_folds_the_replicas_into_the_batch(monkeypatch):
     assert float(losses[1]) == pytest.approx(float(lm_loss(alone(x[1]), x[1])), abs=1e-6)
 
 
+@pytest.mark.parametrize("cap,flag,expected", [("1", [], 1), ("", [], 4), ("3", ["2"], 2)])
+def test_simulate_takes_the_cores_at_most_omp_num_threads(tmp_path, corpus, monkeypatch, cap,
+                                                         flag, expected):
+    """One process: this machine's cores (4 here), or --threads, and at most OMP_NUM_THREADS
+    where that is set (something else may run on the same cores), as a worker's count is."""
+    from noloco import cli as cli_mod
+    from noloco import data as data_mod
+
+    monkeypatch.setattr(data_mod, "cpu_count", lambda: 4)
+    monkeypatch.setenv("OMP_NUM_THREADS", cap)
+    before = torch.get_num_threads()
+    asked = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    args = ["simulate", "--data", str(corpus), *SMALL, "--method", "noloco", "--replicas", "2",
+            "--steps", "2", "--sync-every", "2", "--eval-every", "2", "--out", str(tmp_path / "r")]
+    if flag:
+        args += ["--threads", *flag]
+    assert cli_mod.main(args) == 0
+    assert asked == [expected] and torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("method,terms", [("diloco", 2 * 3), ("noloco", 1), ("ddp", 2 * 3)])
 def test_modelled_wall_clock_on_a_link(tmp_path, corpus, method, terms):
     """--bandwidth, --latency, --step-time: every step's time, plus each operation's bytes

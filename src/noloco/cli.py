@@ -259,7 +259,7 @@ def simulate(ns: argparse.Namespace) -> int:
     import torch
 
     from noloco import distributed
-    from noloco.data import cpu_count, make_tokenizer
+    from noloco.data import make_tokenizer
     from noloco.rundir import RunDir
     from noloco.simulate import Simulation, check_simulable
     from noloco.simulate.run import memory_plan
@@ -282,7 +282,9 @@ def simulate(ns: argparse.Namespace) -> int:
         raise DataError(f"data path not found: {src}")
     rundir = RunDir(cfg.train.out)
     rundir.check(overwrite=cfg.train.overwrite)
-    torch.set_num_threads(cfg.train.threads or cpu_count())
+    # one process: the cores, or --threads, at most OMP_NUM_THREADS where that is set (as a
+    # worker's own count: something else may run on the same cores)
+    distributed.limit_threads(1, cfg.train.threads)
     sim = Simulation(cfg, rundir, link, device, churn)  # reads the data: refused first
     print(line, file=sys.stderr, flush=True)
     rundir.prepare(cfg, overwrite=cfg.train.overwrite)
