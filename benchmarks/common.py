@@ -53,11 +53,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def threads() -> int:
-    """The threads one process of a benchmark may use: its cores, at most OMP_NUM_THREADS
-    where that is set (as noloco's own workers count them: something may run beside it)."""
+def threads(processes: int = 1) -> int:
+    """The threads each of ``processes`` processes of a benchmark may use: the cores divided
+    among them (at least 1), at most OMP_NUM_THREADS where that is set — a cap per process,
+    as noloco's workers count it (``noloco.distributed.default_threads``)."""
+    n = max(1, cores() // max(processes, 1))
     cap = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return min(cores(), int(cap)) if cap.isdigit() and int(cap) > 0 else cores()
+    return min(n, int(cap)) if cap.isdigit() and int(cap) > 0 else n
 
 
 def memory_gib() -> float | None:

@@ -82,7 +82,7 @@ def torch_rank(a: argparse.Namespace) -> None:
     from noloco.model import build, lm_loss, preset
 
     rank, n = a.torch_rank, a.replicas
-    torch.set_num_threads(max(1, common.threads() // n))
+    torch.set_num_threads(common.threads())  # its share: run_torch set OMP_NUM_THREADS
     torch.set_num_interop_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{a.port}", rank=rank,
                             world_size=n, timeout=timedelta(seconds=300))
@@ -111,7 +111,7 @@ def run_torch(a: argparse.Namespace, tmp: Path) -> list[float]:
 
     port, result = common.free_port(), tmp / "torch.json"
     env = dict(os.environ, GLOO_SOCKET_IFNAME=loopback_interface(),
-               OMP_NUM_THREADS=str(max(1, common.threads() // a.replicas)))
+               OMP_NUM_THREADS=str(common.threads(a.replicas)))
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--torch-rank", str(r), "--port", str(port),
          "--result", str(result), "--replicas", str(a.replicas), "--steps", str(a.steps),

@@ -283,7 +283,7 @@ def simulate(ns: argparse.Namespace) -> int:
     rundir = RunDir(cfg.train.out)
     rundir.check(overwrite=cfg.train.overwrite)
     # one process: the cores, or --threads, at most OMP_NUM_THREADS where that is set (as a
-    # worker's own count: something else may run on the same cores)
+    # worker counts them: something else may run on the same cores; torchrun's is ignored)
     distributed.limit_threads(1, cfg.train.threads)
     sim = Simulation(cfg, rundir, link, device, churn)  # reads the data: refused first
     print(line, file=sys.stderr, flush=True)
