@@ -140,7 +140,10 @@ def test_an_elastic_run_on_etcd_loses_a_member_of_etcd_and_a_replica(tmp_path, c
              "--replicas", "4", "--sync-every", "10", "--eval-every", "20",
              "--peer-timeout", "5", "--method", "noloco", "--steps", "200", "--elastic",
              "--coordinator", c.address, "--replica-ids", "0-3", "--respawn", "1",
-             "--inject-fault", "kill:2@100", "--out", str(out)],
+             # Paced (0.1 s a step, sleeping): in CI's three lanes a replica starved of CPU
+             # fell 40 s behind the others, which had finished before its respawn could join
+             "--inject-fault", "kill:2@100," + ",".join(f"pace:{r}:0.1" for r in range(4)),
+             "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
         try:
             wait_for(lambda: evaluated(out, 0, 40), 200, "step 40")
